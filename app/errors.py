@@ -1,0 +1,208 @@
+"""The one error tree. Every error a client can see is a subclass of `EcoscanError`
+and carries its HTTP status (used before a stream starts), its stable `code`
+(used in JSON bodies and in SSE `error` events) and whether retrying may help.
+
+    EcoscanError
+    ├── RequestRejected          client mistakes: 4xx JSON before any stream
+    │   ├── ImageMissing, ImageInvalid, ImageTypeUnsupported, ImageTooLarge,
+    │   │   ImageTooManyPixels, PayloadTooLarge, InvalidRequest, UserInputTooLong,
+    │   │   ContentTypeUnsupported
+    ├── Overloaded               admission refused (503 / 429 with Retry-After)
+    │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated
+    └── ScanFailed               after the stream started: an SSE `error` event
+        ├── UpstreamError, UpstreamRateLimited, UpstreamQuotaExhausted, UpstreamRejected,
+        │   UpstreamBadResponse, UpstreamTimeout, StageTimeout, ScanDeadlineExceeded
+        └── DatabaseError, InternalError
+
+Messages are written for the client; internal details go to the log only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class EcoscanError(Exception):
+    status: ClassVar[int] = 500
+    code: ClassVar[str] = "INTERNAL_ERROR"
+    retryable: ClassVar[bool] = False
+    default_message: ClassVar[str] = "Internal error."
+
+    def __init__(self, message: str | None = None) -> None:
+        self.message = message or self.default_message
+        super().__init__(self.message)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"detail": self.message, "code": self.code}
+
+
+# --- client mistakes ---------------------------------------------------------------
+
+
+class RequestRejected(EcoscanError):
+    status = 400
+    code = "INVALID_REQUEST"
+    default_message = "The request is invalid."
+
+
+class ImageMissing(RequestRejected):
+    code = "IMAGE_MISSING"
+    default_message = "No image: send JSON with image_url, or multipart with an 'image' file."
+
+
+class ImageInvalid(RequestRejected):
+    code = "IMAGE_INVALID"
+    default_message = "The image could not be decoded (not an image, truncated or corrupt)."
+
+
+class ImageTypeUnsupported(RequestRejected):
+    status = 415
+    code = "IMAGE_TYPE_UNSUPPORTED"
+    default_message = "Unsupported image type: use JPEG, PNG, WebP or GIF."
+
+
+class ImageTooLarge(RequestRejected):
+    status = 413
+    code = "IMAGE_TOO_LARGE"
+    default_message = "The image is larger than the size limit."
+
+
+class PayloadTooLarge(RequestRejected):
+    status = 413
+    code = "PAYLOAD_TOO_LARGE"
+    default_message = "The request body is larger than the size limit."
+
+
+class ImageTooManyPixels(RequestRejected):
+    status = 413
+    code = "IMAGE_TOO_MANY_PIXELS"
+    default_message = "The image has more pixels than the limit."
+
+
+class InvalidRequest(RequestRejected):
+    status = 422
+    code = "INVALID_REQUEST"
+
+
+class UserInputTooLong(RequestRejected):
+    status = 422
+    code = "USER_INPUT_TOO_LONG"
+    default_message = "user_input is too long."
+
+
+class ContentTypeUnsupported(RequestRejected):
+    status = 415
+    code = "CONTENT_TYPE_UNSUPPORTED"
+    default_message = "Send application/json or multipart/form-data."
+
+
+class NotFound(RequestRejected):
+    status = 404
+    code = "NOT_FOUND"
+    default_message = "Not found."
+
+
+# --- admission -------------------------------------------------------------------
+
+
+class Overloaded(EcoscanError):
+    """Refused before the stream started; `retry_after_s` goes into `Retry-After`."""
+
+    status = 503
+    code = "SERVER_BUSY"
+    retryable = True
+    default_message = "The service is at capacity; retry later."
+
+    def __init__(self, message: str | None = None, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ServerBusy(Overloaded):
+    pass
+
+
+class UpstreamBudgetExhausted(Overloaded):
+    code = "UPSTREAM_BUDGET_EXHAUSTED"
+    default_message = "The OpenAI rate budget is spent for now; retry later."
+
+
+class CpuLaneSaturated(Overloaded):
+    code = "CPU_SATURATED"
+    default_message = "Image processing is at capacity; retry later."
+
+
+class UserOverLimit(Overloaded):
+    status = 429
+    code = "USER_CONCURRENCY_LIMIT"
+    default_message = "Too many scans in flight for this user; wait for one to finish."
+
+
+class DatabaseUnavailable(Overloaded):
+    code = "DATABASE_UNAVAILABLE"
+    default_message = "The database is unavailable; retry later."
+
+
+# --- failures after the stream started -----------------------------------------------
+
+
+class ScanFailed(EcoscanError):
+    code = "SCAN_FAILED"
+    default_message = "The scan failed."
+
+
+class UpstreamError(ScanFailed):
+    code = "UPSTREAM_ERROR"
+    retryable = True
+    default_message = "The AI service failed; retry later."
+
+
+class UpstreamRateLimited(UpstreamError):
+    code = "UPSTREAM_RATE_LIMITED"
+    default_message = "The AI service is rate limiting us; retry later."
+
+
+class UpstreamQuotaExhausted(ScanFailed):
+    code = "UPSTREAM_QUOTA_EXHAUSTED"
+    retryable = False
+    default_message = "The AI service quota is exhausted."
+
+
+class UpstreamRejected(ScanFailed):
+    """The upstream refused the request itself (400/401/403/404): retrying cannot help."""
+
+    code = "UPSTREAM_REJECTED"
+    default_message = "The AI service rejected the request."
+
+
+class UpstreamBadResponse(UpstreamError):
+    code = "UPSTREAM_BAD_RESPONSE"
+    default_message = "The AI service returned an unusable response."
+
+
+class UpstreamTimeout(UpstreamError):
+    code = "UPSTREAM_TIMEOUT"
+    default_message = "The AI service did not answer in time."
+
+
+class StageTimeout(ScanFailed):
+    code = "STAGE_TIMEOUT"
+    retryable = True
+    default_message = "A stage took longer than its time limit."
+
+
+class ScanDeadlineExceeded(ScanFailed):
+    code = "SCAN_DEADLINE_EXCEEDED"
+    retryable = True
+    default_message = "The scan took longer than its deadline."
+
+
+class DatabaseError(ScanFailed):
+    code = "DATABASE_ERROR"
+    retryable = True
+    default_message = "A database operation failed."
+
+
+class InternalError(ScanFailed):
+    code = "INTERNAL_ERROR"
+    default_message = "Internal error."

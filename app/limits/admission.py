@@ -1,0 +1,124 @@
+"""Admission control: decide before the stream starts whether a scan can be served.
+
+Three checks, cheapest first:
+1. per user: at most `per_user` scans in flight for one user (anonymous users are
+   keyed by client address) -> 429 `USER_CONCURRENCY_LIMIT`;
+2. the upstream budget: if a new scan's first call would wait longer than
+   `max_budget_wait_s` for the RPM/TPM budget, queueing it is pointless -> 503
+   `UPSTREAM_BUDGET_EXHAUSTED` with the predicted wait as Retry-After;
+3. the global cap: at most `max_inflight` scans; a newcomer may wait up to
+   `wait_s` for a slot (smooths bursts), then 503 `SERVER_BUSY`.
+
+A `Ticket` holds the slots for the scan's whole life and is released exactly once,
+however the scan ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable
+
+from app.errors import ServerBusy, UpstreamBudgetExhausted, UserOverLimit
+
+
+class Ticket:
+    __slots__ = ("_admission", "_released", "user_key")
+
+    def __init__(self, admission: Admission, user_key: str) -> None:
+        self._admission = admission
+        self.user_key = user_key
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._admission._release(self.user_key)
+
+
+class Admission:
+    def __init__(
+        self,
+        *,
+        max_inflight: int,
+        per_user: int,
+        wait_s: float,
+        max_budget_wait_s: float,
+        predicted_budget_wait: Callable[[], float],
+    ) -> None:
+        self.max_inflight = max_inflight
+        self.per_user = per_user
+        self.wait_s = wait_s
+        self.max_budget_wait_s = max_budget_wait_s
+        self._predicted_budget_wait = predicted_budget_wait
+        self.in_flight = 0
+        self.per_user_in_flight: dict[str, int] = {}
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        # Exponentially weighted mean scan duration: sizes Retry-After for SERVER_BUSY.
+        self.mean_scan_s = 5.0
+
+    async def admit(self, user_key: str) -> Ticket:
+        if self.per_user_in_flight.get(user_key, 0) >= self.per_user:
+            raise UserOverLimit(retry_after_s=self._retry_after_busy())
+        budget_wait = self._predicted_budget_wait()
+        if budget_wait > self.max_budget_wait_s:
+            raise UpstreamBudgetExhausted(retry_after_s=budget_wait)
+        if self.in_flight < self.max_inflight and not self._waiters:
+            self.in_flight += 1
+        else:
+            await self._wait_for_slot()
+        # Re-check the user: they may have started another scan while we waited.
+        if self.per_user_in_flight.get(user_key, 0) >= self.per_user:
+            self._release_slot()
+            raise UserOverLimit(retry_after_s=self._retry_after_busy())
+        self.per_user_in_flight[user_key] = self.per_user_in_flight.get(user_key, 0) + 1
+        return Ticket(self, user_key)
+
+    async def _wait_for_slot(self) -> None:
+        """Wait (FIFO, bounded) until a finishing scan hands its slot over.
+
+        A released slot goes straight to the oldest waiter, so `in_flight` never drops
+        below the cap while anyone waits and a newcomer cannot slip in between."""
+        if self.wait_s <= 0:
+            raise ServerBusy(retry_after_s=self._retry_after_busy())
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._release_slot()  # handed over just as we gave up: pass it on
+            else:
+                waiter.cancel()
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise ServerBusy(retry_after_s=self._retry_after_busy()) from None
+            raise
+
+    def _release_slot(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.in_flight -= 1
+
+    def _release(self, user_key: str) -> None:
+        left = self.per_user_in_flight.get(user_key, 1) - 1
+        if left:
+            self.per_user_in_flight[user_key] = left
+        else:
+            self.per_user_in_flight.pop(user_key, None)
+        self._release_slot()
+
+    def observe_scan_duration(self, seconds: float) -> None:
+        self.mean_scan_s += 0.1 * (seconds - self.mean_scan_s)
+
+    def _retry_after_busy(self) -> float:
+        # Little's law: with N scans in flight finishing every mean_scan_s, a slot frees
+        # about every mean_scan_s / N seconds; the budget may push that further out.
+        per_slot = self.mean_scan_s / max(1, self.in_flight)
+        return max(1.0, math.ceil(max(per_slot, self._predicted_budget_wait())))

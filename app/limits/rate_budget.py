@@ -1,0 +1,406 @@
+"""Per-model OpenAI rate budget: two token buckets (requests, tokens) with a strict FIFO queue.
+
+Design decisions:
+- Oversize requests run into debt, they are not clamped. A reservation of `tokens` waits until
+  the token bucket holds `min(tokens, capacity)` (a full bucket, for an oversize one) and then
+  takes all `tokens`, so the bucket may go negative. Later waiters wait for the debt to refill,
+  which keeps the long-run rate at the limit whatever the request size.
+- `Reservation.settle` applies once; a second call is ignored and returns False.
+- `pause(seconds)` only blocks admission (it never shortens an existing pause). The buckets keep
+  refilling while paused; they are capped at `burst_fraction` of a minute, so the burst after
+  a pause is bounded. The FIFO queue keeps its order.
+- The `x-ratelimit-reset-*` headers are parsed into `last_upstream` for logs and metrics but
+  never drive admission: continuous refill from the lowered `remaining` already models
+  recovery, and OpenAI's reset values are not consistent with limit/60 refill (its own
+  documented example shows `6m0s` for a 16-token deficit), so trusting them would over-throttle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from app.limits.clock import Clock, MonotonicClock
+
+__all__ = [
+    "BudgetDeadlineExceeded",
+    "BudgetError",
+    "RateBudget",
+    "Reservation",
+    "UpstreamSnapshot",
+    "parse_reset_duration",
+]
+
+_EPS = 1e-6  # bucket amounts: a deficit this small counts as "fits" (float refill rounding)
+_EPS_T = 1e-9  # seconds: a wait this short counts as zero (FakeClock lands on exact times)
+
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s)")
+
+
+class BudgetError(Exception):
+    """Base class for rate budget refusals."""
+
+
+class BudgetDeadlineExceeded(BudgetError):
+    """The reservation could not be admitted before its deadline."""
+
+
+def parse_reset_duration(value: str) -> float | None:
+    """Parse OpenAI reset durations (`120ms`, `1s`, `6m0s`, `1m30.5s`, `0s`, or bare seconds).
+
+    Returns seconds, or None for anything unparseable.
+    """
+    text = value.strip().lower()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        pos, seconds = 0, 0.0
+        for match in _DURATION_PART.finditer(text):
+            if match.start() != pos:
+                return None
+            seconds += float(match.group(1)) * _UNITS[match.group(2)]
+            pos = match.end()
+        if pos != len(text):
+            return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _parse_count(value: object) -> int | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        number = float(value.strip())
+    except ValueError:
+        return None
+    return int(number) if math.isfinite(number) and number >= 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSnapshot:
+    """The last rate-limit headers seen (None where missing or garbage)."""
+
+    observed_at: float
+    limit_requests: int | None
+    limit_tokens: int | None
+    remaining_requests: int | None
+    remaining_tokens: int | None
+    reset_requests: float | None
+    reset_tokens: float | None
+
+
+class Reservation:
+    """One admitted request: 1 request plus `tokens` tokens taken from the budget."""
+
+    __slots__ = ("_budget", "_settled", "tokens")
+
+    def __init__(self, budget: RateBudget, tokens: int) -> None:
+        self._budget = budget
+        self.tokens = tokens
+        self._settled = False
+
+    @property
+    def settled(self) -> bool:
+        return self._settled
+
+    def settle(self, actual_tokens: int | None) -> bool:
+        """Reconcile after the call; returns False (and does nothing) if already settled.
+
+        `actual_tokens` is the real usage total: the surplus is refunded, a shortfall charged.
+        None means the request never reached the upstream: tokens and the request are refunded.
+        """
+        if actual_tokens is not None and actual_tokens < 0:
+            raise ValueError(f"actual_tokens must be >= 0 or None, got {actual_tokens!r}")
+        if self._settled:
+            return False
+        self._settled = True
+        if actual_tokens is None:
+            self._budget._credit(1.0, float(self.tokens))
+        elif actual_tokens != self.tokens:
+            self._budget._credit(0.0, float(self.tokens - actual_tokens))
+        return True
+
+    def __repr__(self) -> str:
+        return f"Reservation(tokens={self.tokens}, settled={self._settled})"
+
+
+class _Waiter:
+    __slots__ = ("tokens", "wake")
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+        self.wake: asyncio.Future[None] | None = None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class RateBudget:
+    """RPM/TPM budget for one model; see the module docstring for the design decisions."""
+
+    def __init__(
+        self,
+        *,
+        rpm: int,
+        tpm: int,
+        burst_fraction: float = 0.1,
+        clock: Clock | None = None,
+        name: str = "default",
+    ) -> None:
+        self._cfg_rpm = _positive_int("rpm", rpm)
+        self._cfg_tpm = _positive_int("tpm", tpm)
+        if (
+            isinstance(burst_fraction, bool)
+            or not isinstance(burst_fraction, int | float)
+            or not 0.0 < burst_fraction <= 1.0
+        ):
+            raise ValueError(f"burst_fraction must be in (0, 1], got {burst_fraction!r}")
+        self._fraction = float(burst_fraction)
+        self._clock: Clock = clock if clock is not None else MonotonicClock()
+        self.name = name
+        self._obs_rpm: int | None = None
+        self._obs_tpm: int | None = None
+        self._req = self._tok = math.inf
+        self._apply_limits()  # clamps the buckets to capacity: they start full
+        self._last = self._clock.now()
+        self._paused_until = self._last
+        # FIFO of waiters. Only queue[0] (the head) looks at the buckets: strict order means a
+        # big request is never starved by a stream of small ones, at the price of smalls
+        # waiting behind it. The head sleeps until its predicted fit time but is woken (its
+        # `wake` future resolved) whenever the budget changes, because the prediction changes.
+        self._queue: deque[_Waiter] = deque()
+        self.last_upstream: UpstreamSnapshot | None = None
+
+    # ----- admission ----------------------------------------------------------------------
+
+    async def reserve(self, tokens: int, *, deadline: float | None = None) -> Reservation:
+        """Take 1 request + `tokens` tokens, waiting in FIFO order.
+
+        Raises BudgetDeadlineExceeded as soon as the predicted admission time is after
+        `deadline` (absolute clock time), or when the deadline passes while waiting.
+        Cancellation leaves no trace: nothing is taken and the next waiter moves up.
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be an int >= 0, got {tokens!r}")
+        wait = self.predicted_wait(tokens)
+        self._check_deadline(wait, deadline)
+        if wait == 0.0 and not self._queue:
+            return self._take(tokens)  # fast path: nobody ahead (FIFO) and it fits now
+        waiter = _Waiter(tokens)
+        self._queue.append(waiter)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                # A fresh future before each re-computation: a change after this point
+                # resolves it, so no notification can be lost between compute and wait.
+                waiter.wake = loop.create_future()
+                sleep: float | None = None  # None: not the head, wait to be woken
+                if self._queue[0] is waiter:
+                    sleep = self._head_wait(tokens)
+                    if sleep == 0.0:
+                        self._queue.popleft()
+                        self._notify_head()
+                        return self._take(tokens)
+                    self._check_deadline(sleep, deadline)
+                if deadline is not None:
+                    left = deadline - self._clock.now()
+                    if left <= _EPS_T:
+                        raise BudgetDeadlineExceeded(f"{self.name}: deadline passed in queue")
+                    sleep = left if sleep is None else min(sleep, left)
+                await self._sleep_or_wake(waiter.wake, sleep)
+        except BaseException:
+            self._leave(waiter)
+            raise
+
+    def predicted_wait(self, tokens: int) -> float:
+        """Seconds until a new `tokens` request joining the queue now would be admitted."""
+        now = self._refill()
+        t = max(now, self._paused_until)
+        req = min(self._cap_req, self._req + self._rate_req * (t - now))
+        tok = min(self._cap_tok, self._tok + self._rate_tok * (t - now))
+        # Simulate the queue ahead in order; each demand is admitted once both buckets fit.
+        for demand in [*(w.tokens for w in self._queue), tokens]:
+            dt = self._fit_time(req, tok, demand)
+            t += dt
+            req = min(self._cap_req, req + self._rate_req * dt) - 1.0
+            tok = min(self._cap_tok, tok + self._rate_tok * dt) - demand
+        wait = t - now
+        return wait if wait > _EPS_T else 0.0
+
+    # ----- feedback from the upstream -----------------------------------------------------
+
+    def observe_headers(self, headers: Mapping[str, str]) -> None:
+        """Learn from `x-ratelimit-*` response headers; only ever lowers the budget."""
+        try:
+            h = {str(k).lower(): v for k, v in headers.items()}
+        except Exception:
+            return
+        get = h.get
+        snap = UpstreamSnapshot(
+            observed_at=self._refill(),  # refill at the old rates before anything changes
+            limit_requests=_parse_count(get("x-ratelimit-limit-requests")),
+            limit_tokens=_parse_count(get("x-ratelimit-limit-tokens")),
+            remaining_requests=_parse_count(get("x-ratelimit-remaining-requests")),
+            remaining_tokens=_parse_count(get("x-ratelimit-remaining-tokens")),
+            reset_requests=_parse_duration_header(get("x-ratelimit-reset-requests")),
+            reset_tokens=_parse_duration_header(get("x-ratelimit-reset-tokens")),
+        )
+        self.last_upstream = snap
+        before = (self._effective(), self._req, self._tok)
+        # Effective limit = min(configured, latest observed); a limit of 0 is treated as garbage.
+        if snap.limit_requests:
+            self._obs_rpm = snap.limit_requests
+        if snap.limit_tokens:
+            self._obs_tpm = snap.limit_tokens
+        self._apply_limits()
+        # The key is shared with callers we cannot see: adopt a lower remaining, never a higher.
+        if snap.remaining_requests is not None:
+            self._req = min(self._req, float(snap.remaining_requests))
+        if snap.remaining_tokens is not None:
+            self._tok = min(self._tok, float(snap.remaining_tokens))
+        if (self._effective(), self._req, self._tok) != before:
+            self._notify_head()
+
+    def pause(self, seconds: float) -> None:
+        """Admit nobody until now + `seconds` (after a 429). Extends, never shortens."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds must be a finite number >= 0, got {seconds!r}")
+        until = self._refill() + seconds
+        if until > self._paused_until:
+            self._paused_until = until
+            self._notify_head()
+
+    # ----- metrics ------------------------------------------------------------------------
+
+    @property
+    def available_requests(self) -> float:
+        self._refill()
+        return self._req
+
+    @property
+    def available_tokens(self) -> float:
+        """May be negative: debt left by an oversize reservation or an extra charge."""
+        self._refill()
+        return self._tok
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def paused_until(self) -> float:
+        return self._paused_until
+
+    @property
+    def effective_rpm(self) -> int:
+        return self._effective()[0]
+
+    @property
+    def effective_tpm(self) -> int:
+        return self._effective()[1]
+
+    @property
+    def request_capacity(self) -> float:
+        return self._cap_req
+
+    @property
+    def token_capacity(self) -> float:
+        return self._cap_tok
+
+    def __repr__(self) -> str:
+        return (
+            f"RateBudget(name={self.name!r}, rpm={self.effective_rpm}, tpm={self.effective_tpm},"
+            f" requests={self.available_requests:.2f}, tokens={self.available_tokens:.0f},"
+            f" waiting={self.waiting})"
+        )
+
+    # ----- internals ----------------------------------------------------------------------
+
+    def _effective(self) -> tuple[int, int]:
+        rpm = min(self._cfg_rpm, self._obs_rpm or self._cfg_rpm)
+        return rpm, min(self._cfg_tpm, self._obs_tpm or self._cfg_tpm)
+
+    def _apply_limits(self) -> None:
+        """Derive rates and capacities from the effective limits; clamp buckets to capacity."""
+        rpm, tpm = self._effective()
+        self._rate_req, self._rate_tok = rpm / 60.0, tpm / 60.0
+        self._cap_req = max(1.0, rpm * self._fraction)
+        self._cap_tok = max(1.0, tpm * self._fraction)
+        self._req = min(self._req, self._cap_req)
+        self._tok = min(self._tok, self._cap_tok)
+
+    def _refill(self) -> float:
+        now = self._clock.now()
+        dt = now - self._last
+        if dt > 0:
+            self._req = min(self._cap_req, self._req + self._rate_req * dt)
+            self._tok = min(self._cap_tok, self._tok + self._rate_tok * dt)
+            self._last = now
+        return now
+
+    def _fit_time(self, req: float, tok: float, tokens: int) -> float:
+        # Debt: an oversize demand waits only for a full bucket, then takes all it asked for.
+        need_tok = min(float(tokens), self._cap_tok)
+        d_req, d_tok = 1.0 - req, need_tok - tok
+        t_req = d_req / self._rate_req if d_req > _EPS else 0.0
+        t_tok = d_tok / self._rate_tok if d_tok > _EPS else 0.0
+        return max(t_req, t_tok)
+
+    def _head_wait(self, tokens: int) -> float:
+        now = self._refill()
+        pause = self._paused_until - now
+        wait = max(pause if pause > _EPS_T else 0.0, self._fit_time(self._req, self._tok, tokens))
+        return wait if wait > 0.0 else 0.0
+
+    def _take(self, tokens: int) -> Reservation:
+        self._req -= 1.0
+        self._tok -= tokens
+        return Reservation(self, tokens)
+
+    def _credit(self, requests: float, tokens: float) -> None:
+        """Refund (positive) or charge (negative tokens) after settle; refunds cap at capacity."""
+        self._refill()
+        self._req = min(self._cap_req, self._req + requests)
+        self._tok = min(self._cap_tok, self._tok + tokens)
+        self._notify_head()
+
+    def _check_deadline(self, wait: float, deadline: float | None) -> None:
+        if deadline is not None and self._clock.now() + wait > deadline + _EPS_T:
+            raise BudgetDeadlineExceeded(f"{self.name}: predicted wait {wait:.3f}s ends after the deadline")
+
+    def _notify_head(self) -> None:
+        if self._queue:
+            wake = self._queue[0].wake
+            if wake is not None and not wake.done():
+                wake.set_result(None)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """Drop a waiter that gave up; if it was the head, the next one takes over."""
+        if waiter in self._queue:
+            was_head = self._queue[0] is waiter
+            self._queue.remove(waiter)
+            if was_head:
+                self._notify_head()
+
+    async def _sleep_or_wake(self, wake: asyncio.Future[None], seconds: float | None) -> None:
+        if seconds is None:
+            await wake
+            return
+        sleeper = asyncio.create_task(self._clock.sleep(seconds))
+        try:
+            await asyncio.wait((wake, sleeper), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+
+
+def _parse_duration_header(value: object) -> float | None:
+    return parse_reset_duration(value) if isinstance(value, str) else None

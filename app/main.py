@@ -1,0 +1,84 @@
+"""Application factory. `create_app(settings)` builds the app; the module-level
+`app` exists only so that `uvicorn app.main:app` works, and creates no resources
+(the lifespan does, when the server starts)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from app.errors import EcoscanError, Overloaded
+from app.metrics import Metrics
+from app.resources import lifespan_resources
+from app.routes import router
+from app.settings import Settings
+
+log = logging.getLogger("app")
+
+
+def create_app(settings: Settings | None = None, *, metrics: Metrics | None = None) -> FastAPI:
+    settings = settings or Settings.from_env()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        _configure_logging(settings.log_level)
+        async with lifespan_resources(settings, metrics) as resources:
+            log.info("ecoscan ready")
+            yield {"resources": resources}
+
+    app = FastAPI(title="ecoscan", version="0.1.0", lifespan=lifespan)
+    app.include_router(router)
+    _install_error_handlers(app)
+    return app
+
+
+def error_response(exc: EcoscanError) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, Overloaded):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def ecoscan_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, EcoscanError)
+        resources = getattr(request.state, "resources", None)
+        if resources is not None and exc.status >= 400:
+            resources.metrics.scans.labels("rejected", exc.code).inc()
+        return error_response(exc)
+
+    async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
+        return JSONResponse(
+            {"detail": exc.detail, "code": code}, status_code=exc.status_code, headers=exc.headers
+        )
+
+    async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"detail": "The request is invalid.", "code": "INVALID_REQUEST"}, status_code=422)
+
+    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return JSONResponse({"detail": "Internal error.", "code": "INTERNAL_ERROR"}, status_code=500)
+
+    app.add_exception_handler(EcoscanError, ecoscan_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def _configure_logging(level: str) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("app").setLevel(level.upper())
+
+
+app = create_app()

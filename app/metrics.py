@@ -1,0 +1,204 @@
+"""Prometheus metrics, all on one registry that the lifespan creates (tests get a
+fresh one each). Base units, bounded labels only: stage, model, outcome, reason,
+code, kind — never scan ids, user ids or raw paths.
+
+Stage time is split in two: `ecoscan_stage_queue_seconds` is time spent waiting
+(for a stage semaphore, the rate budget or the CPU lane) and
+`ecoscan_stage_service_seconds` is time spent working. They answer different
+questions: the first says a limit is too tight, the second that the work is slow.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+# LLM calls take seconds; the library's default buckets stop at 10 s.
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    10,
+    15,
+    20,
+    30,
+    45,
+    60,
+    90,
+    120,
+)
+FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        if process:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
+
+        # --- scans ---------------------------------------------------------------
+        self.scans = Counter(
+            "ecoscan_scans_total",
+            "Scans by outcome (completed, failed, cancelled, rejected) and code/reason.",
+            ["outcome", "code"],
+            registry=r,
+        )
+        self.scan_duration = Histogram(
+            "ecoscan_scan_duration_seconds",
+            "Whole-scan duration from acceptance to the terminal event.",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_event = Histogram(
+            "ecoscan_scan_first_event_seconds",
+            "Time from request arrival to the first SSE event handed to the server.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.scans_in_flight = Gauge(
+            "ecoscan_scans_in_flight", "Accepted scans not yet finished.", registry=r
+        )
+        self.streams_open = Gauge("ecoscan_sse_streams_open", "Open SSE responses.", registry=r)
+        self.prepare_duration = Histogram(
+            "ecoscan_request_prepare_seconds",
+            "Parsing and image preparation before the stream starts (CPU lane, incl. wait).",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+
+        # --- stages --------------------------------------------------------------
+        self.stage_duration = Histogram(
+            "ecoscan_stage_duration_seconds",
+            "Stage wall time (queue + service) by outcome.",
+            ["stage", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage_queue = Histogram(
+            "ecoscan_stage_queue_seconds",
+            "Time a stage waited for a limit (semaphore, rate budget, CPU lane).",
+            ["stage", "limit"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage_service = Histogram(
+            "ecoscan_stage_service_seconds",
+            "Time a stage spent working (upstream call, query, CPU job), excluding waits.",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+        # --- upstream ------------------------------------------------------------
+        self.upstream_calls = Counter(
+            "ecoscan_upstream_calls_total",
+            "OpenAI calls by model, endpoint and status class (2xx, 4xx, 429, 5xx, error).",
+            ["model", "endpoint", "status"],
+            registry=r,
+        )
+        self.upstream_duration = Histogram(
+            "ecoscan_upstream_call_seconds",
+            "OpenAI call duration (to the last byte for streams).",
+            ["model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_tokens = Counter(
+            "ecoscan_upstream_tokens_total",
+            "Tokens by kind: prompt, completion (actual, from usage), estimated (reserved).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.upstream_retries = Counter(
+            "ecoscan_upstream_retries_total",
+            "Retried OpenAI calls by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.upstream_429 = Counter(
+            "ecoscan_upstream_rate_limited_total",
+            "429 answers from OpenAI by type.",
+            ["model", "type"],
+            registry=r,
+        )
+        self.ratelimit_remaining = Gauge(
+            "ecoscan_upstream_ratelimit_remaining",
+            "Last x-ratelimit-remaining-* seen, by resource (requests, tokens).",
+            ["model", "resource"],
+            registry=r,
+        )
+
+        # --- limits --------------------------------------------------------------
+        self.budget_wait = Histogram(
+            "ecoscan_budget_wait_seconds",
+            "Time waiting for the RPM/TPM budget.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.budget_available = Gauge(
+            "ecoscan_budget_available", "Budget available now.", ["model", "resource"], registry=r
+        )
+        self.budget_waiters = Gauge(
+            "ecoscan_budget_waiters", "Calls queued for the budget.", ["model"], registry=r
+        )
+        self.semaphore_in_use = Gauge(
+            "ecoscan_stage_semaphore_in_use", "Stage semaphore slots held.", ["stage"], registry=r
+        )
+        self.cpu_queue_depth = Gauge(
+            "ecoscan_cpu_queue_depth", "CPU-lane jobs waiting for a worker.", registry=r
+        )
+        self.cpu_busy = Gauge("ecoscan_cpu_busy_workers", "CPU-lane workers busy.", registry=r)
+        self.cpu_job = Histogram(
+            "ecoscan_cpu_job_seconds",
+            "CPU-lane jobs: phase=queue (waiting for a worker) or run.",
+            ["phase"],
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "ecoscan_event_loop_lag_seconds",
+            "How late the loop-lag probe's timer fired: time callbacks held the loop.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag_max = Gauge(
+            "ecoscan_event_loop_lag_max_seconds", "Largest loop lag seen since start.", registry=r
+        )
+        self.admission_rejected = Counter(
+            "ecoscan_admission_rejected_total",
+            "Scans refused before streaming.",
+            ["reason"],
+            registry=r,
+        )
+
+    def observe_cpu_job(self, queue_s: float, run_s: float) -> None:
+        self.cpu_job.labels("queue").observe(queue_s)
+        self.cpu_job.labels("run").observe(run_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

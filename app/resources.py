@@ -1,0 +1,262 @@
+"""The lifespan: the one place that creates every resource and closes it again, in
+reverse order. Nothing is created at import time; routes reach these through
+`Resources`, handed to them via the ASGI lifespan state.
+
+Embedded defaults: without `DATABASE_URL` an embedded PostgreSQL is started;
+without `OPENAI_API_KEY` the OpenAI simulator runs inside this process on a
+loopback port. Both are logged loudly, with how to switch to the real thing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import httpx
+import openai
+
+from app.database import EmbeddedPostgres, apply_migrations, bundled_migrations, create_pool
+from app.images import ImageLimits
+from app.limits.admission import Admission
+from app.limits.clock import MonotonicClock
+from app.limits.cpu_lane import CpuLane
+from app.limits.rate_budget import RateBudget
+from app.limits.retry import RetryPolicy
+from app.limits.stage_gate import StageGate
+from app.loop_lag import probe_loop_lag
+from app.metrics import Metrics
+from app.pipeline import ScanPipeline, StageTimeouts
+from app.scan_input import InputLimits
+from app.scan_store import ScanStore
+from app.settings import Settings
+from app.stages.answer import AnswerStage
+from app.stages.reward import RewardStage
+from app.stages.rule import RuleBook
+from app.stages.vision import VisionStage
+from app.taxonomy import Taxonomy, load_taxonomy
+from app.upstream import Upstream
+
+log = logging.getLogger("app")
+
+# A typical vision call, used to ask the budget how long a new scan would wait.
+_TYPICAL_VISION_TOKENS = 1500
+
+
+@dataclass
+class Resources:
+    settings: Settings
+    metrics: Metrics
+    pool: asyncpg.Pool[asyncpg.Record]
+    taxonomy: Taxonomy
+    cpu: CpuLane
+    budgets: dict[str, RateBudget]
+    gates: dict[str, StageGate]
+    admission: Admission
+    rules: RuleBook
+    store: ScanStore
+    pipeline: ScanPipeline
+    input_limits: InputLimits
+    upstream_base_url: str
+    simulator: Any = None  # app.sim.server.RunningSimulator when embedded
+
+
+@asynccontextmanager
+async def lifespan_resources(settings: Settings, metrics: Metrics | None = None) -> AsyncIterator[Resources]:
+    metrics = metrics or Metrics()
+    clock = MonotonicClock()
+    async with AsyncExitStack() as stack:
+        dsn = await _database(settings, stack)
+        pool = await create_pool(
+            dsn,
+            min_size=settings.db_pool_min,
+            max_size=settings.db_pool_max,
+            timeout_s=settings.db_timeout_s,
+        )
+        stack.push_async_callback(pool.close)
+        async with pool.acquire() as conn:
+            applied = await apply_migrations(conn, bundled_migrations())
+            if applied:
+                log.info("migrations applied: %s", ", ".join(applied))
+            taxonomy = await load_taxonomy(conn)
+            characters = await RewardStage.load_characters(conn)
+
+        rules = RuleBook(pool, recyclable=taxonomy.recyclable, ttl_s=settings.rules_cache_ttl_s)
+        await rules.start_listening(dsn)
+        stack.push_async_callback(rules.close)
+
+        base_url, api_key, simulator = await _upstream_endpoint(settings, stack)
+        client = openai.AsyncOpenAI(
+            api_key=api_key,
+            base_url=base_url,
+            max_retries=0,  # our retry loop owns retries; the SDK's would bypass the budget
+            timeout=httpx.Timeout(
+                connect=settings.openai_connect_timeout_s,
+                read=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
+                write=settings.openai_connect_timeout_s,
+                pool=settings.openai_connect_timeout_s,
+            ),
+        )
+        stack.push_async_callback(client.close)
+
+        budgets = {
+            model: RateBudget(
+                rpm=settings.openai_rpm,
+                tpm=settings.openai_tpm,
+                burst_fraction=settings.rate_burst_fraction,
+                clock=clock,
+                name=model,
+            )
+            for model in {settings.vision_model, settings.answer_model}
+        }
+        gates = {
+            "vision": StageGate("vision", settings.vision_concurrency),
+            "answer": StageGate("answer", settings.answer_concurrency),
+        }
+        upstream = Upstream(
+            client,
+            budgets=budgets,
+            gates=gates,
+            retry=RetryPolicy(
+                max_attempts=settings.retry_max_attempts,
+                base_delay_s=settings.retry_base_delay_s,
+                max_delay_s=settings.retry_max_delay_s,
+            ),
+            metrics=metrics,
+            clock=clock,
+        )
+        vision_budget = budgets[settings.vision_model]
+        admission = Admission(
+            max_inflight=settings.max_inflight_scans,
+            per_user=settings.max_inflight_per_user,
+            wait_s=settings.admission_wait_s,
+            max_budget_wait_s=settings.max_budget_wait_s,
+            predicted_budget_wait=lambda: vision_budget.predicted_wait(_TYPICAL_VISION_TOKENS),
+        )
+        cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
+        cpu.observers.append(metrics.observe_cpu_job)
+        stack.callback(cpu.shutdown)
+
+        store = ScanStore(pool)
+        pipeline = ScanPipeline(
+            vision=VisionStage(
+                upstream,
+                taxonomy,
+                model=settings.vision_model,
+                detail=settings.vision_detail,
+                max_tokens=settings.vision_max_tokens,
+            ),
+            rules=rules,
+            answer=AnswerStage(
+                upstream,
+                model=settings.answer_model,
+                max_tokens=settings.answer_max_tokens,
+                delta_flush_s=settings.delta_flush_ms / 1000,
+            ),
+            reward=RewardStage(pool, characters, taxonomy.recyclable),
+            store=store,
+            metrics=metrics,
+            timeouts=StageTimeouts(
+                vision_s=settings.vision_timeout_s,
+                rule_s=settings.db_timeout_s,
+                answer_s=settings.answer_timeout_s,
+                reward_s=settings.db_timeout_s,
+                scan_deadline_s=settings.scan_deadline_s,
+            ),
+            clock=clock,
+            on_finished=admission.observe_scan_duration,
+        )
+        # Runs first on the way out: in-flight scans are cancelled and record their
+        # rows while the pool, the client and the simulator are still open.
+        stack.push_async_callback(pipeline.cancel_all)
+
+        probe = asyncio.create_task(probe_loop_lag(metrics), name="loop-lag-probe")
+        stack.callback(probe.cancel)
+        _bind_gauges(metrics, budgets, gates, cpu)
+
+        yield Resources(
+            settings=settings,
+            metrics=metrics,
+            pool=pool,
+            taxonomy=taxonomy,
+            cpu=cpu,
+            budgets=budgets,
+            gates=gates,
+            admission=admission,
+            rules=rules,
+            store=store,
+            pipeline=pipeline,
+            input_limits=InputLimits(
+                image=ImageLimits(
+                    max_bytes=settings.image_max_bytes,
+                    max_pixels=settings.image_max_pixels,
+                    long_side=settings.image_long_side,
+                    jpeg_quality=settings.image_jpeg_quality,
+                ),
+                user_input_max_chars=settings.user_input_max_chars,
+            ),
+            upstream_base_url=base_url,
+            simulator=simulator,
+        )
+
+
+async def _database(settings: Settings, stack: AsyncExitStack) -> str:
+    if settings.database_url is not None:
+        log.info("database: DATABASE_URL (%s)", _redact(settings.database_url))
+        return settings.database_url
+    embedded = EmbeddedPostgres(settings.embedded_pg_dir)
+    dsn = await embedded.start()
+    stack.push_async_callback(embedded.stop)
+    log.warning(
+        "database: EMBEDDED PostgreSQL in %s (set DATABASE_URL=postgresql://... to use a real server)",
+        embedded.data_dir,
+    )
+    return dsn
+
+
+async def _upstream_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple[str, str, Any]:
+    if not settings.uses_simulator:
+        url = settings.openai_base_url or "https://api.openai.com/v1"
+        log.info("upstream: OpenAI-compatible API at %s", url)
+        return url, settings.openai_api_key or "", None
+    from app.sim.config import SimConfig
+    from app.sim.server import run_simulator
+
+    config = SimConfig.from_env(os.environ)
+    simulator = await stack.enter_async_context(run_simulator(config))
+    log.warning(
+        "upstream: built-in OpenAI SIMULATOR at %s (set OPENAI_API_KEY, and OPENAI_BASE_URL for a "
+        "compatible server, to use a real one; SIM_* variables tune the simulator)",
+        simulator.base_url,
+    )
+    return simulator.base_url, "sim-key", simulator
+
+
+def _bind_gauges(
+    metrics: Metrics, budgets: dict[str, RateBudget], gates: dict[str, StageGate], cpu: CpuLane
+) -> None:
+    """Gauges read live state at scrape time instead of being updated on every change."""
+    for model, budget in budgets.items():
+        metrics.budget_available.labels(model, "requests").set_function(_reader(budget, "available_requests"))
+        metrics.budget_available.labels(model, "tokens").set_function(_reader(budget, "available_tokens"))
+        metrics.budget_waiters.labels(model).set_function(_reader(budget, "waiting"))
+    for stage, gate in gates.items():
+        metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
+    metrics.cpu_queue_depth.set_function(lambda: cpu.waiting)
+    metrics.cpu_busy.set_function(lambda: cpu.busy)
+
+
+def _reader(obj: object, attribute: str) -> Callable[[], float]:
+    return lambda: float(getattr(obj, attribute))
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

@@ -1,0 +1,74 @@
+"""Serving an ASGI app with uvicorn inside an already running event loop, on a
+socket we bind ourselves (so port 0 works and the real port is known before the
+server starts). Used for the embedded simulator and by the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Generator
+from typing import Any
+
+import uvicorn
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """Leaves the host process's signal handlers alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def uvicorn_config(app: Any, **overrides: Any) -> uvicorn.Config:
+    options: dict[str, Any] = {
+        "log_level": "warning",
+        "lifespan": "off",
+        "access_log": False,
+        "proxy_headers": False,
+        "server_header": False,
+        "ws": "none",
+        "timeout_graceful_shutdown": 2,
+        "backlog": 4096,
+        "log_config": None,
+    }
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
+@contextlib.asynccontextmanager
+async def serve_in_loop(
+    app: Any, host: str = "127.0.0.1", port: int = 0, **config: Any
+) -> AsyncIterator[str]:
+    """Serve `app` for the duration of the block; yields its base URL."""
+    sock = bind_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    server = _EmbeddedServer(uvicorn_config(app, **config))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("server exited during startup")
+            await asyncio.sleep(0.005)
+        shown = f"[{host}]" if ":" in host else host
+        yield f"http://{shown}:{bound_port}"
+    finally:
+        server.should_exit = True
+        try:
+            await task
+        finally:
+            sock.close()

@@ -1,0 +1,156 @@
+"""One frozen `Settings`, read from the environment once and validated up front.
+
+Nothing imports settings at module level: `create_app(settings)` receives them and
+passes the relevant parts down. Every field maps to one environment variable; the
+README's configuration table lists them all (keep the two in step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A setting has a value that cannot work; the message names the variable."""
+
+
+def _default_workers() -> int:
+    return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- resources -------------------------------------------------------------
+    database_url: str | None = None
+    embedded_pg_dir: str = ".ecoscan/pgdata"
+    db_pool_min: int = 2
+    db_pool_max: int = 20
+    db_timeout_s: float = 5.0
+
+    # --- upstream (OpenAI or any compatible server) ------------------------------
+    openai_api_key: str | None = None
+    openai_base_url: str | None = None
+    vision_model: str = "gpt-4o-mini"
+    answer_model: str = "gpt-4o-mini"
+    vision_detail: str = "low"
+    vision_max_tokens: int = 120
+    answer_max_tokens: int = 500
+    openai_connect_timeout_s: float = 5.0
+    openai_read_timeout_s: float = 20.0
+    vision_timeout_s: float = 30.0
+    answer_timeout_s: float = 45.0
+
+    # --- budgets, concurrency, admission (app/limits) -------------------------------
+    openai_rpm: int = 500
+    openai_tpm: int = 500_000
+    rate_burst_fraction: float = 0.1
+    vision_concurrency: int = 64
+    answer_concurrency: int = 64
+    cpu_max_workers: int = field(default_factory=_default_workers)
+    cpu_queue_limit: int = 64
+    max_inflight_scans: int = 256
+    max_inflight_per_user: int = 4
+    admission_wait_s: float = 0.5
+    max_budget_wait_s: float = 10.0
+    scan_deadline_s: float = 60.0
+    retry_max_attempts: int = 4
+    retry_base_delay_s: float = 0.25
+    retry_max_delay_s: float = 8.0
+
+    # --- request and image handling ----------------------------------------------
+    image_max_bytes: int = 10 * 1024 * 1024
+    image_max_pixels: int = 40_000_000
+    image_long_side: int = 768
+    image_jpeg_quality: int = 85
+    user_input_max_chars: int = 500
+
+    # --- streaming and caching ----------------------------------------------------
+    sse_ping_s: float = 15.0
+    delta_flush_ms: float = 40.0
+    rules_cache_ttl_s: float = 300.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                minimum = 0 if f.name in _MAY_BE_ZERO else 1e-9
+                if value < minimum:
+                    raise SettingsError(
+                        f"{env_name(f.name)} must be {'>= 0' if minimum == 0 else '> 0'}, got {value}"
+                    )
+        if self.db_pool_min > self.db_pool_max:
+            raise SettingsError("DB_POOL_MIN must not exceed DB_POOL_MAX")
+        if self.vision_detail not in ("low", "high", "auto"):
+            raise SettingsError(f"VISION_DETAIL must be low, high or auto, got {self.vision_detail!r}")
+        if not 0 < self.rate_burst_fraction <= 1:
+            raise SettingsError("RATE_BURST_FRACTION must be in (0, 1]")
+        if not 1 <= self.image_jpeg_quality <= 95:
+            raise SettingsError("IMAGE_JPEG_QUALITY must be between 1 and 95")
+        if self.image_long_side < 64:
+            raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
+        if self.openai_api_key is None and self.openai_base_url is not None:
+            # A base URL without a key would silently fall back to the simulator.
+            raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
+
+    @property
+    def uses_simulator(self) -> bool:
+        return self.openai_api_key is None
+
+    @property
+    def uses_embedded_postgres(self) -> bool:
+        return self.database_url is None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from environment variables; `overrides` win (tests use them)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(env_name(f.name))
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _cast(f.name, raw, _field_type(f))
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+# Settings where 0 is meaningful (0 retries, no flush delay, no admission wait...).
+_MAY_BE_ZERO = {
+    "db_pool_min",
+    "cpu_queue_limit",
+    "admission_wait_s",
+    "max_budget_wait_s",
+    "retry_base_delay_s",
+    "retry_max_delay_s",
+    "delta_flush_ms",
+    "rules_cache_ttl_s",
+}
+
+
+def env_name(field_name: str) -> str:
+    return field_name.upper()
+
+
+def _field_type(f: dataclasses.Field[Any]) -> str:
+    return str(f.type).replace(" | None", "")
+
+
+def _cast(name: str, raw: str, type_name: str) -> Any:
+    try:
+        if type_name == "int":
+            return int(raw.replace("_", ""))
+        if type_name == "float":
+            return float(raw)
+        if type_name == "bool":
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return raw
+    except ValueError:
+        raise SettingsError(f"{env_name(name)} must be a {type_name}, got {raw!r}") from None

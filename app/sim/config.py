@@ -1,0 +1,163 @@
+"""Simulator configuration: validated, immutable knobs, readable from ``SIM_*`` env vars."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+KINDS = ("vision", "text")
+ENV_PREFIX = "SIM_"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """All simulator behaviour. Latencies are in seconds before ``time_scale`` is applied."""
+
+    vision_median_s: float = 4.5
+    text_median_s: float = 4.8
+    latency_sigma: float = 0.25
+    time_scale: float = 1.0
+    first_token_fraction: float = 0.15
+    rpm: int = 500
+    tpm: int = 500_000
+    text_tokens: int = 60
+    error_rate: float = 0.0
+    error_status: int = 500
+    error_kinds: tuple[str, ...] = KINDS
+    stall_rate: float = 0.0
+    stall_s: float = 30.0
+    quota_exhausted: bool = False
+    reject_next: int = 0
+    reject_retry_after_ms: int = 1000
+    reject_kinds: tuple[str, ...] = KINDS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # Normalise after the type check so float fields never hold ints and
+            # kind lists are always tuples (keeps equality and JSON output stable).
+            object.__setattr__(self, f.name, _check_type(f.name, f.type, value))
+        _at_least("vision_median_s", self.vision_median_s, 0.0)
+        _at_least("text_median_s", self.text_median_s, 0.0)
+        _at_least("latency_sigma", self.latency_sigma, 0.0)
+        _at_least("time_scale", self.time_scale, 0.0)
+        _fraction("first_token_fraction", self.first_token_fraction)
+        _at_least("rpm", self.rpm, 0)
+        _at_least("tpm", self.tpm, 0)
+        _at_least("text_tokens", self.text_tokens, 1)
+        _fraction("error_rate", self.error_rate)
+        if not 500 <= self.error_status <= 599:
+            raise ValueError(f"error_status must be a 5xx status, got {self.error_status}")
+        _kinds("error_kinds", self.error_kinds)
+        _fraction("stall_rate", self.stall_rate)
+        _at_least("stall_s", self.stall_s, 0.0)
+        _at_least("reject_next", self.reject_next, 0)
+        _at_least("reject_retry_after_ms", self.reject_retry_after_ms, 0)
+        _kinds("reject_kinds", self.reject_kinds)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> SimConfig:
+        """Build from ``SIM_<FIELD>`` variables (e.g. ``SIM_TIME_SCALE=0.01``); others default."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = parse_field_text(f.name, raw)
+        return cls(**values)
+
+    def updated(self, changes: Mapping[str, Any]) -> SimConfig:
+        """Return a validated copy with ``changes`` applied (JSON-ish values; lists allowed)."""
+        known = field_names()
+        for name in changes:
+            if name not in known:
+                raise ValueError(f"{name}: unknown config field")
+        return dataclasses.replace(self, **dict(changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly view (tuples become lists)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+def field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(SimConfig))
+
+
+def field_kind(name: str) -> str:
+    """One of ``float``, ``int``, ``bool``, ``kinds`` for a SimConfig field name."""
+    for f in fields(SimConfig):
+        if f.name == name:
+            return _KIND_OF_TYPE[str(f.type)]
+    raise ValueError(f"{name}: unknown config field")
+
+
+def parse_field_text(name: str, raw: str) -> Any:
+    """Parse a textual (env var / CLI) value for field ``name``; ValueError names the field."""
+    kind = field_kind(name)
+    text = raw.strip()
+    try:
+        if kind == "float":
+            return float(text)
+        if kind == "int":
+            return int(text)
+        if kind == "bool":
+            low = text.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(raw)
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{name}: cannot parse {raw!r} as {kind}") from None
+
+
+_KIND_OF_TYPE = {"float": "float", "int": "int", "bool": "bool", "tuple[str, ...]": "kinds"}
+
+
+def _check_type(name: str, type_name: object, value: object) -> object:
+    kind = _KIND_OF_TYPE[str(type_name)]
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+    elif kind == "kinds":
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+    elif isinstance(value, bool):
+        pass  # bool is an int subclass; True as a rate is nonsense
+    elif kind == "int":
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        return float(value)
+    raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
+def _at_least(name: str, value: float, low: float) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _fraction(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be within [0, 1], got {value}")
+
+
+def _kinds(name: str, value: tuple[str, ...]) -> None:
+    for kind in value:
+        if kind not in KINDS:
+            raise ValueError(f"{name}: unknown kind {kind!r} (expected some of {', '.join(KINDS)})")

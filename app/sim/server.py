@@ -1,0 +1,169 @@
+"""The simulator's Starlette app and an in-process runner for tests and benchmarks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Generator
+from dataclasses import dataclass
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.sim.completions import ChatCompletions
+from app.sim.config import SimConfig
+from app.sim.state import SimState
+
+MODELS = ("gpt-4o-mini", "gpt-4o", "gpt-4.1-mini", "gpt-4.1-nano", "gpt-4.1")
+
+
+def create_sim_app(config: SimConfig) -> Starlette:
+    """The simulator as a plain Starlette app; its ``SimState`` is ``app.state.sim``."""
+    state = SimState(config)
+
+    async def models(_: Request) -> Response:
+        data = [
+            {"id": name, "object": "model", "created": 1_715_367_049, "owned_by": "system"} for name in MODELS
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def get_stats(_: Request) -> Response:
+        return JSONResponse(state.stats.snapshot())
+
+    async def reset_stats(_: Request) -> Response:
+        state.stats.reset()
+        return JSONResponse(state.stats.snapshot())
+
+    async def get_config(_: Request) -> Response:
+        return JSONResponse(state.config.to_dict())
+
+    async def patch_config(request: Request) -> Response:
+        try:
+            changes = json.loads(await request.body())
+        except ValueError:
+            return _config_error("body is not valid JSON")
+        if not isinstance(changes, dict):
+            return _config_error("body must be a JSON object of SimConfig fields")
+        try:
+            config = state.configure(changes)
+        except ValueError as exc:
+            return _config_error(str(exc))
+        return JSONResponse(config.to_dict())
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", ChatCompletions(state), methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/sim/stats", get_stats, methods=["GET"]),
+            Route("/sim/stats/reset", reset_stats, methods=["POST"]),
+            Route("/sim/config", get_config, methods=["GET"]),
+            Route("/sim/config", patch_config, methods=["PATCH"]),
+        ],
+        exception_handlers={HTTPException: _http_error},
+    )
+    app.state.sim = state
+    return app
+
+
+def _config_error(message: str) -> Response:
+    field = message.split(" ", 1)[0].rstrip(":")
+    error = {"message": message, "type": "invalid_request_error", "param": field, "code": None}
+    return JSONResponse({"error": error}, status_code=422)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = f"Invalid URL ({request.method} {request.url.path})"
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    return JSONResponse({"error": error}, status_code=status)
+
+
+@dataclass(frozen=True)
+class RunningSimulator:
+    """A started simulator: ``base_url`` is what an OpenAI client wants (ends in ``/v1``)."""
+
+    host: str
+    port: int
+    state: SimState
+    app: Starlette
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """Leaves the host process's signal handlers alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket, so port 0 resolves before the server starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # An explicit IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets
+    # whose proto says TCP, and without it Nagle + delayed ACK add ~40 ms per response.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def uvicorn_config(app: Starlette, **overrides: object) -> uvicorn.Config:
+    options: dict[str, object] = {
+        "log_level": "warning",
+        "lifespan": "off",
+        "access_log": False,
+        "proxy_headers": False,
+        "server_header": False,
+        "ws": "none",
+        "timeout_graceful_shutdown": 2,
+        "backlog": 4096,
+    }
+    options.update(overrides)
+    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def run_simulator(
+    config: SimConfig, host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[RunningSimulator]:
+    """Serve the simulator in the current event loop for the duration of the block."""
+    app = create_sim_app(config)
+    sock = bind_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    server = _EmbeddedServer(uvicorn_config(app, log_config=None))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    state: SimState = app.state.sim
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("simulator exited during startup")
+            await asyncio.sleep(0.005)
+        yield RunningSimulator(host=host, port=bound_port, state=state, app=app)
+    finally:
+        state.closing.set()
+        server.should_exit = True
+        try:
+            await task
+        finally:
+            sock.close()

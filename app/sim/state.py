@@ -1,0 +1,64 @@
+"""Live simulator state: current config, rate-limit buckets, stats and the fault RNG."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from app.sim.config import SimConfig
+from app.sim.latency import sample_latency
+from app.sim.ratelimit import RateLimiter
+from app.sim.stats import SimStats
+
+
+class SimState:
+    """Shared by all requests of one simulator; reconfigurable while it runs."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self._config = config
+        self.stats = SimStats()
+        self.limiter = RateLimiter(config.rpm, config.tpm)
+        self.rng = random.Random(config.seed)
+        # Set on shutdown so injected stalls end instead of holding the server open.
+        self.closing = asyncio.Event()
+
+    @property
+    def config(self) -> SimConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: SimConfig) -> None:
+        old = self._config
+        self._config = config
+        if (config.rpm, config.tpm) != (old.rpm, old.tpm):
+            self.limiter = RateLimiter(config.rpm, config.tpm)
+        if config.seed != old.seed:
+            self.rng = random.Random(config.seed)
+
+    def configure(self, changes: Mapping[str, Any]) -> SimConfig:
+        """Apply a partial update (validated; ValueError names the bad field)."""
+        self.config = self._config.updated(changes)
+        return self._config
+
+    def take_reject(self, kind: str) -> bool:
+        """Consume one of ``reject_next`` if it applies to ``kind``."""
+        config = self._config
+        if config.reject_next <= 0 or kind not in config.reject_kinds:
+            return False
+        self._config = config.updated({"reject_next": config.reject_next - 1})
+        return True
+
+    def inject_error(self, kind: str) -> bool:
+        config = self._config
+        return config.error_rate > 0 and kind in config.error_kinds and self.rng.random() < config.error_rate
+
+    def inject_stall(self) -> bool:
+        rate = self._config.stall_rate
+        return rate > 0 and self.rng.random() < rate
+
+    def latency(self, kind: str) -> float:
+        config = self._config
+        median = config.vision_median_s if kind == "vision" else config.text_median_s
+        return sample_latency(self.rng, median, config.latency_sigma, config.time_scale)

@@ -1,0 +1,47 @@
+"""Counters the simulator exposes at ``GET /sim/stats``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SimStats:
+    """Chat-completion counters; ``inflight`` survives ``reset`` (those requests are real)."""
+
+    def __init__(self) -> None:
+        self.inflight = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.requests_total = 0
+        self.by_status: dict[str, int] = {}
+        self.by_kind: dict[str, int] = {"vision": 0, "text": 0}
+        self.rate_limited_total = 0
+        self.quota_rejected_total = 0
+        self.errors_injected_total = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.streams_started = 0
+        self.streams_completed = 0
+        self.streams_cancelled = 0
+        self.stalls_injected = 0
+
+    def count_status(self, status: int) -> None:
+        key = str(status)
+        self.by_status[key] = self.by_status.get(key, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "requests_total": self.requests_total,
+            "by_status": dict(self.by_status),
+            "by_kind": dict(self.by_kind),
+            "rate_limited_total": self.rate_limited_total,
+            "quota_rejected_total": self.quota_rejected_total,
+            "errors_injected_total": self.errors_injected_total,
+            "tokens": {"prompt": self.prompt_tokens, "completion": self.completion_tokens},
+            "streams_started": self.streams_started,
+            "streams_completed": self.streams_completed,
+            "streams_cancelled": self.streams_cancelled,
+            "inflight": self.inflight,
+            "stalls_injected": self.stalls_injected,
+        }

@@ -1,0 +1,199 @@
+"""Stage 3, answer: a streamed Chat Completions call that writes the guidance.
+
+Streaming text *and* structure: the model streams JSON that follows a strict schema
+(`user_answer`, then `steps`, then `insufficiencies`, generated in that order), and
+we re-render the partial JSON as readable text as it grows. jiter's partial mode
+parses an incomplete document (including a half-written last string), and because
+fields arrive in schema order the rendering of a longer prefix always extends the
+rendering of a shorter one, so each `delta` is just the new tail. The final JSON is
+the structured answer. This needs nothing from the model beyond the schema, and
+works the same against OpenAI and any compatible server.
+
+Deltas are coalesced (`delta_flush_ms`): one SSE event per token would cost more
+event-loop time than the answer is worth to a reader.
+
+Retries: a retried call starts a fresh text. Its rendering is only forwarded once
+it has grown past what the client already saw, so nothing is sent twice; if a retry
+diverges from the text already shown, deltas stop and `done` carries the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jiter
+
+from app.errors import UpstreamBadResponse
+from app.limits.tokens import estimate_chat_tokens
+from app.stages.rule import RuleMatch
+from app.stages.vision import VisionResult
+from app.upstream import ChatCall, ChatResult, Upstream
+
+ANSWER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "user_answer": {
+            "type": "string",
+            "description": "사용자 질문에 대한 한두 문장의 답 또는 핵심 요약",
+        },
+        "steps": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "배출 단계, 순서대로",
+        },
+        "insufficiencies": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "사진의 상태로 보아 사용자가 배출 전에 아직 해야 하는 일만",
+        },
+    },
+    "required": ["user_answer", "steps", "insufficiencies"],
+    "additionalProperties": False,
+}
+
+SYSTEM_PROMPT = (
+    "당신은 한국 생활폐기물 분리배출 안내 도우미입니다. 주어진 분류, 상황 태그, 배출 규칙만 "
+    "근거로 짧고 정확하게 답하세요. user_answer: 사용자의 질문에 대한 답(질문이 없으면 핵심 "
+    "요약), steps: 지금 따라 할 배출 단계, insufficiencies: 상황 태그로 보아 배출 전에 "
+    "사용자가 아직 해야 하는 일만(이미 준비됐으면 빈 배열)."
+)
+
+EmitDelta = Callable[[str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Answer:
+    user_answer: str
+    steps: list[str]
+    insufficiencies: list[str]
+    call: ChatResult | None = field(default=None, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "insufficiencies": self.insufficiencies,
+            "user_answer": self.user_answer,
+        }
+
+
+def render(answer: dict[str, Any]) -> str:
+    """Readable text of a (possibly partial) answer document; prefix-stable as it grows."""
+    out = str(answer.get("user_answer") or "")
+    steps = [s for s in answer.get("steps") or [] if isinstance(s, str)]
+    if steps:
+        out += "\n\n" + "\n".join(f"{i}. {s}" for i, s in enumerate(steps, 1))
+    missing = [s for s in answer.get("insufficiencies") or [] if isinstance(s, str)]
+    if missing:
+        out += "\n\n배출 전에 확인하세요:\n" + "\n".join(f"- {s}" for s in missing)
+    return out
+
+
+class _DeltaWriter:
+    """Turns the growing JSON text of the current attempt into coalesced deltas."""
+
+    def __init__(self, emit: EmitDelta, flush_s: float) -> None:
+        self._emit = emit
+        self._flush_s = flush_s
+        self._last_flush = 0.0
+        self.sent = ""
+        self.diverged = False
+
+    async def update(self, raw: str, *, final: bool = False) -> None:
+        if self.diverged:
+            return
+        now = time.perf_counter()
+        if not final and now - self._last_flush < self._flush_s:
+            return
+        try:
+            partial = jiter.from_json(raw.encode(), partial_mode="trailing-strings")
+        except ValueError:
+            return  # not even a JSON prefix yet (or garbage: the final parse reports it)
+        if not isinstance(partial, dict):
+            return
+        text = render(partial)
+        if text.startswith(self.sent):
+            if len(text) > len(self.sent):
+                delta, self.sent = text[len(self.sent) :], text
+                self._last_flush = now
+                await self._emit(delta)
+        elif not self.sent.startswith(text):
+            self.diverged = True  # a retry wrote something else: leave it to `done`
+
+
+class AnswerStage:
+    def __init__(self, upstream: Upstream, *, model: str, max_tokens: int, delta_flush_s: float) -> None:
+        self._upstream = upstream
+        self._model = model
+        self._max_tokens = max_tokens
+        self._delta_flush_s = delta_flush_s
+        self._response_format = {
+            "type": "json_schema",
+            "json_schema": {"name": "disposal_answer", "strict": True, "schema": ANSWER_SCHEMA},
+        }
+
+    def build_call(self, vision: VisionResult, rule: RuleMatch, user_input: str | None) -> ChatCall:
+        c = vision.classification
+        facts: dict[str, Any] = {
+            "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor},
+            "상황 태그": vision.situation_tags,
+            "배출 규칙": _condensed(rule.document) if rule.document else rule.reason,
+            "사용자 질문": user_input or "(없음)",
+        }
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {
+                "role": "user",
+                "content": json.dumps(facts, ensure_ascii=False, separators=(",", ":")),
+            },
+        ]
+        return ChatCall(
+            stage="answer",
+            model=self._model,
+            messages=messages,
+            max_tokens=self._max_tokens,
+            prompt_estimate=estimate_chat_tokens(messages),
+            response_format=self._response_format,
+        )
+
+    async def run(
+        self,
+        vision: VisionResult,
+        rule: RuleMatch,
+        user_input: str | None,
+        *,
+        deadline: float,
+        emit: EmitDelta,
+    ) -> Answer:
+        writer = _DeltaWriter(emit, self._delta_flush_s)
+        result = await self._upstream.stream(
+            self.build_call(vision, rule, user_input), deadline=deadline, on_text=writer.update
+        )
+        await writer.update(result.text, final=True)
+        return parse_answer(result.text, result)
+
+
+def parse_answer(text: str, call: ChatResult | None = None) -> Answer:
+    try:
+        doc = json.loads(text)
+        user_answer = doc["user_answer"]
+        steps = doc["steps"]
+        missing = doc["insufficiencies"]
+    except (ValueError, KeyError, TypeError):
+        raise UpstreamBadResponse("The answer was not the expected JSON.") from None
+    if not (isinstance(user_answer, str) and _strings(steps) and _strings(missing)):
+        raise UpstreamBadResponse("The answer JSON had fields of the wrong type.")
+    return Answer(user_answer.strip(), [s.strip() for s in steps], [s.strip() for s in missing], call)
+
+
+def _strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _condensed(document: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a rule document the answer needs; tips and titles cost tokens for nothing."""
+    keep = ("summary", "preparation", "disposal", "not_accepted")
+    return {k: document[k] for k in keep if k in document}

@@ -1,0 +1,108 @@
+"""Stage 1, vision: one Chat Completions call that classifies the photo.
+
+The reply is constrained by a json_schema whose enums come from the taxonomy
+(see `Taxonomy.vision_schema`), so the model can only name categories and tags we
+know. The image is our prepared JPEG data URL (or the client's https URL as is).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import UpstreamBadResponse
+from app.limits.tokens import estimate_chat_tokens
+from app.scan_input import ScanInput
+from app.taxonomy import Classification, Taxonomy
+from app.upstream import ChatCall, ChatResult, Upstream
+
+MAX_TAGS = 8
+
+SYSTEM_PROMPT = (
+    "당신은 한국 생활폐기물 분리배출 분류기입니다. 사진 속 주된 품목 하나를 보고 "
+    "category 목록에서 가장 구체적으로 맞는 경로를 고르세요. 재질이나 종류를 판단할 수 "
+    "없으면 '미분류'를 고르세요. situation_tags에는 사진에서 실제로 보이는 상태 중 배출 "
+    "방법에 영향을 주는 것만 고르세요(없으면 빈 배열)."
+)
+
+
+@dataclass(frozen=True)
+class VisionResult:
+    classification: Classification
+    situation_tags: list[str]
+    call: ChatResult
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "classification": self.classification.to_json(),
+            "situation_tags": self.situation_tags,
+        }
+
+
+class VisionStage:
+    def __init__(
+        self, upstream: Upstream, taxonomy: Taxonomy, *, model: str, detail: str, max_tokens: int
+    ) -> None:
+        self._upstream = upstream
+        self._taxonomy = taxonomy
+        self._model = model
+        self._detail = detail
+        self._max_tokens = max_tokens
+        self._response_format = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "waste_classification",
+                "strict": True,
+                "schema": taxonomy.vision_schema(),
+            },
+        }
+
+    def build_call(self, scan: ScanInput) -> ChatCall:
+        text = "이 물건을 분류해 주세요."
+        if scan.user_input:
+            text += f"\n사용자 메모: {scan.user_input}"
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": text},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": scan.image_url, "detail": self._detail},
+                    },
+                ],
+            },
+        ]
+        sizes = {scan.image_url: (scan.image.width, scan.image.height)} if scan.image else None
+        return ChatCall(
+            stage="vision",
+            model=self._model,
+            messages=messages,
+            max_tokens=self._max_tokens,
+            prompt_estimate=estimate_chat_tokens(messages, image_sizes=sizes),
+            response_format=self._response_format,
+        )
+
+    async def run(self, scan: ScanInput, *, deadline: float) -> VisionResult:
+        result = await self._upstream.complete(self.build_call(scan), deadline=deadline)
+        classification, tags = self.parse(result.text)
+        return VisionResult(classification, tags, result)
+
+    def parse(self, text: str) -> tuple[Classification, list[str]]:
+        try:
+            reply = json.loads(text)
+            path = reply["category"]
+            raw_tags = reply.get("situation_tags") or []
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UpstreamBadResponse("The classification reply was not the expected JSON.") from None
+        classification = self._taxonomy.classify_path(path) if isinstance(path, str) else None
+        if classification is None:
+            raise UpstreamBadResponse("The classification named a category outside the taxonomy.")
+        known = set(self._taxonomy.tag_names)
+        tags: list[str] = []
+        for tag in raw_tags if isinstance(raw_tags, list) else []:
+            if isinstance(tag, str) and tag in known and tag not in tags:
+                tags.append(tag)
+        return classification, tags[:MAX_TAGS]

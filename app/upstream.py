@@ -1,0 +1,288 @@
+"""Every OpenAI call goes through `Upstream`: stage gate -> rate budget -> call ->
+reconcile, inside the one retry loop.
+
+Order matters. The stage gate comes first so a call waiting for budget counts
+against its stage's concurrency (the gate bounds calls in progress, waiting or
+not), and the budget is reserved last so tokens are never held by a call that is
+still queued behind the gate. After every answer, 2xx or not, the `x-ratelimit-*`
+headers correct the budget; a 429 pauses the whole budget for `retry-after` so the
+other waiters do not hammer the upstream in the meantime.
+
+The SDK runs with `max_retries=0`: its retries would bypass the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+
+from app.errors import (
+    ScanDeadlineExceeded,
+    UpstreamBadResponse,
+    UpstreamError,
+    UpstreamQuotaExhausted,
+    UpstreamRateLimited,
+    UpstreamRejected,
+    UpstreamTimeout,
+)
+from app.limits.clock import Clock
+from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservation
+from app.limits.retry import RetryPolicy, retry_after_from_headers
+from app.limits.stage_gate import StageGate
+from app.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+ENDPOINT = "chat.completions"
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    stage: str
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    prompt_estimate: int
+    response_format: dict[str, Any] | None = None
+
+
+@dataclass
+class ChatResult:
+    text: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    finish_reason: str | None
+    attempts: int
+    queue_s: float  # waiting for the stage gate and the budget, all attempts
+    service_s: float  # talking to the upstream, all attempts
+
+
+# Called with everything this attempt has received so far. A retry starts again
+# from an empty text, so the consumer can tell a fresh attempt from a continuation.
+OnText = Callable[[str], Awaitable[None]]
+
+
+class _Failed(Exception):
+    """One attempt failed; `error` is what the client sees if no retry remains."""
+
+    def __init__(self, error: Exception, *, retry: bool, reason: str, wait_s: float | None = None):
+        super().__init__(reason)
+        self.error = error
+        self.retry = retry
+        self.reason = reason
+        self.wait_s = wait_s
+
+
+class Upstream:
+    def __init__(
+        self,
+        client: openai.AsyncOpenAI,
+        *,
+        budgets: Mapping[str, RateBudget],
+        gates: Mapping[str, StageGate],
+        retry: RetryPolicy,
+        metrics: Metrics,
+        clock: Clock,
+    ) -> None:
+        self._client = client
+        self._budgets = budgets
+        self._gates = gates
+        self._retry = retry
+        self._metrics = metrics
+        self._clock = clock
+
+    async def complete(self, call: ChatCall, *, deadline: float) -> ChatResult:
+        return await self._with_retries(call, deadline, None)
+
+    async def stream(self, call: ChatCall, *, deadline: float, on_text: OnText) -> ChatResult:
+        return await self._with_retries(call, deadline, on_text)
+
+    async def _with_retries(self, call: ChatCall, deadline: float, on_text: OnText | None) -> ChatResult:
+        result = ChatResult("", None, None, None, 0, 0.0, 0.0)
+        while True:
+            result.attempts += 1
+            try:
+                await self._attempt(call, deadline, on_text, result)
+                return result
+            except _Failed as failed:
+                delay = self._retry.delay(result.attempts, failed.wait_s)
+                left = deadline - self._clock.now()
+                if not failed.retry or result.attempts >= self._retry.max_attempts or delay >= left:
+                    log.warning(
+                        "%s call failed for good after %d attempt(s): %s",
+                        call.stage,
+                        result.attempts,
+                        failed.reason,
+                    )
+                    raise failed.error from None
+                self._metrics.upstream_retries.labels(call.model, failed.reason).inc()
+                log.info(
+                    "%s call: retry %d in %.2fs (%s)",
+                    call.stage,
+                    result.attempts,
+                    delay,
+                    failed.reason,
+                )
+                await self._clock.sleep(delay)
+
+    async def _attempt(
+        self, call: ChatCall, deadline: float, on_text: OnText | None, result: ChatResult
+    ) -> None:
+        budget = self._budgets[call.model]
+        gate = self._gates[call.stage]
+        m = self._metrics
+        async with gate.hold() as gate_wait:
+            m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
+            budget_started = time.perf_counter()
+            try:
+                reservation = await budget.reserve(call.prompt_estimate + call.max_tokens, deadline=deadline)
+            except BudgetDeadlineExceeded:
+                raise ScanDeadlineExceeded(
+                    "The OpenAI rate budget could not be had before the scan's deadline."
+                ) from None
+            budget_wait = time.perf_counter() - budget_started
+            m.budget_wait.labels(call.model).observe(budget_wait)
+            m.stage_queue.labels(call.stage, "budget").observe(budget_wait)
+            result.queue_s += gate_wait + budget_wait
+            m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
+            started = time.perf_counter()
+            try:
+                await self._call(call, budget, reservation, on_text, result)
+            finally:
+                elapsed = time.perf_counter() - started
+                result.service_s += elapsed
+                m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
+                # Whatever happened (success, error, cancellation), the reservation is
+                # settled exactly once; an unsettled one here means "spent as reserved".
+                reservation.settle(reservation.tokens)
+
+    async def _call(
+        self,
+        call: ChatCall,
+        budget: RateBudget,
+        reservation: Reservation,
+        on_text: OnText | None,
+        result: ChatResult,
+    ) -> None:
+        kwargs: dict[str, Any] = {
+            "model": call.model,
+            "messages": call.messages,
+            "max_tokens": call.max_tokens,
+        }
+        if call.response_format is not None:
+            kwargs["response_format"] = call.response_format
+        try:
+            if on_text is None:
+                raw = await self._client.chat.completions.with_raw_response.create(**kwargs)
+                self._observe(call, budget, raw.headers, "2xx")
+                completion = raw.parse()
+                choice = completion.choices[0] if completion.choices else None
+                result.text = (choice.message.content or "") if choice else ""
+                result.finish_reason = choice.finish_reason if choice else None
+                usage = completion.usage
+            else:
+                raw = await self._client.chat.completions.with_raw_response.create(
+                    **kwargs, stream=True, stream_options={"include_usage": True}
+                )
+                self._observe(call, budget, raw.headers, "2xx")
+                stream = raw.parse()
+                text: list[str] = []
+                usage = None
+                try:
+                    async for chunk in stream:
+                        if chunk.usage is not None:
+                            usage = chunk.usage
+                        if not chunk.choices:
+                            continue
+                        choice = chunk.choices[0]
+                        if choice.finish_reason is not None:
+                            result.finish_reason = choice.finish_reason
+                        if choice.delta.content:
+                            text.append(choice.delta.content)
+                            result.text = "".join(text)
+                            await on_text(result.text)
+                finally:
+                    # On cancellation (client gone) this closes the HTTP stream, which is
+                    # how the upstream learns to stop generating.
+                    await stream.close()
+        except openai.APIStatusError as exc:
+            raise self._status_failure(call, budget, reservation, exc) from None
+        except (openai.APITimeoutError, httpx.TimeoutException) as exc:
+            self._count(call, "error")
+            raise _Failed(UpstreamTimeout(), retry=True, reason="timeout") from exc
+        except (openai.APIConnectionError, httpx.TransportError) as exc:
+            self._count(call, "error")
+            if not result.text:
+                reservation.settle(None)  # most likely never reached the upstream
+            raise _Failed(UpstreamError(), retry=True, reason="connection") from exc
+        if usage is not None:
+            result.prompt_tokens = usage.prompt_tokens
+            result.completion_tokens = usage.completion_tokens
+            reservation.settle(usage.prompt_tokens + usage.completion_tokens)
+            self._metrics.upstream_tokens.labels(call.model, "prompt").inc(usage.prompt_tokens)
+            self._metrics.upstream_tokens.labels(call.model, "completion").inc(usage.completion_tokens)
+        if result.finish_reason == "length":
+            raise _Failed(
+                UpstreamBadResponse("The AI reply was cut off at the token limit."),
+                retry=False,
+                reason="length",
+            )
+
+    def _status_failure(
+        self,
+        call: ChatCall,
+        budget: RateBudget,
+        reservation: Reservation,
+        exc: openai.APIStatusError,
+    ) -> _Failed:
+        headers = exc.response.headers
+        status = exc.status_code
+        if status == 429:
+            self._observe(call, budget, headers, "429")
+            code = getattr(exc, "code", None) or _error_field(exc.body, "code")
+            kind = _error_field(exc.body, "type") or "unknown"
+            self._metrics.upstream_429.labels(call.model, str(code or kind)).inc()
+            # A 429 is not counted by the upstream: give the reservation back.
+            reservation.settle(None)
+            if code == "insufficient_quota":
+                return _Failed(UpstreamQuotaExhausted(), retry=False, reason="insufficient_quota")
+            wait_s = retry_after_from_headers(headers)
+            budget.pause(wait_s if wait_s is not None else 1.0)
+            return _Failed(UpstreamRateLimited(), retry=True, reason="429", wait_s=wait_s)
+        status_class = f"{status // 100}xx"
+        self._observe(call, budget, headers, status_class)
+        if status >= 500 or status in (408, 409):
+            return _Failed(
+                UpstreamError(),
+                retry=True,
+                reason=status_class,
+                wait_s=retry_after_from_headers(headers),
+            )
+        log.error("upstream rejected %s call with %d: %s", call.stage, status, exc.message)
+        return _Failed(UpstreamRejected(), retry=False, reason=status_class)
+
+    def _observe(self, call: ChatCall, budget: RateBudget, headers: httpx.Headers, status: str) -> None:
+        self._count(call, status)
+        budget.observe_headers(headers)
+        for resource in ("requests", "tokens"):
+            raw = headers.get(f"x-ratelimit-remaining-{resource}")
+            if raw is not None and raw.isdigit():
+                self._metrics.ratelimit_remaining.labels(call.model, resource).set(int(raw))
+
+    def _count(self, call: ChatCall, status: str) -> None:
+        self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
+
+
+def _error_field(body: object, name: str) -> str | None:
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict):
+            value = inner.get(name)
+            return str(value) if value is not None else None
+    return None

@@ -1,0 +1,261 @@
+"""Shared test fixtures: a real PostgreSQL, the simulator over real HTTP, and the
+service served by a real uvicorn on a loopback port, read by a real SSE client.
+
+Database: `TEST_DATABASE_URL` when set (CI points it at the machine's server),
+else an embedded PostgreSQL from pgserver. Either way each test session gets a
+fresh database of its own, dropped at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import secrets
+import tempfile
+import urllib.parse
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from httpx_sse import aconnect_sse
+from PIL import Image, ImageDraw
+
+from app.database import EmbeddedPostgres
+from app.main import create_app
+from app.metrics import Metrics
+from app.serving import serve_in_loop
+from app.settings import Settings
+from app.sim.config import SimConfig
+from app.sim.server import RunningSimulator, run_simulator
+
+SCAN_URL = "/api/v1/scan/classify/completion"
+
+# Fast, unlimited, fault-free: tests turn knobs on per test through PATCH /sim/config.
+BASE_SIM = SimConfig(time_scale=0.002, rpm=0, tpm=0, latency_sigma=0.0, text_tokens=40)
+
+
+def with_database(url: str, name: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + name))
+
+
+@pytest.fixture(scope="session")
+async def database_url() -> AsyncIterator[str]:
+    base = os.environ.get("TEST_DATABASE_URL")
+    embedded: EmbeddedPostgres | None = None
+    tmp: tempfile.TemporaryDirectory[str] | None = None
+    if not base:
+        tmp = tempfile.TemporaryDirectory(prefix="ecoscan-test-pg-")
+        embedded = EmbeddedPostgres(os.path.join(tmp.name, "pgdata"))
+        base = await embedded.start()
+    name = f"ecoscan_test_{os.getpid()}_{secrets.token_hex(3)}"
+    admin = await asyncpg.connect(base)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+    try:
+        yield with_database(base, name)
+    finally:
+        admin = await asyncpg.connect(base)
+        try:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await admin.close()
+        if embedded is not None:
+            await embedded.stop()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+@pytest.fixture(scope="session")
+async def sim() -> AsyncIterator[RunningSimulator]:
+    async with run_simulator(BASE_SIM) as running:
+        yield running
+
+
+@pytest.fixture(autouse=True)
+async def reset_sim(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    """Every test starts with the base simulator config and zeroed stats."""
+    if "sim" not in request.fixturenames:
+        yield
+        return
+    running: RunningSimulator = request.getfixturevalue("sim")
+    async with httpx.AsyncClient(base_url=running.url) as client:
+        await client.patch("/sim/config", json=_config_json(BASE_SIM))
+        await client.post("/sim/stats/reset")
+    yield
+
+
+def _config_json(config: SimConfig) -> dict[str, Any]:
+    as_json: dict[str, Any] = json.loads(json.dumps(config.to_dict()))
+    return as_json
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(database_url)
+    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+def test_settings(database_url: str, sim: RunningSimulator, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "database_url": database_url,
+        "openai_api_key": "test-key",
+        "openai_base_url": sim.base_url,
+        "cpu_max_workers": 2,
+        "retry_base_delay_s": 0.005,
+        "retry_max_delay_s": 0.05,
+        "db_pool_min": 1,
+        "db_pool_max": 10,
+        "delta_flush_ms": 0.0,
+        "sse_ping_s": 5.0,
+        "log_level": "WARNING",
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@dataclass
+class Service:
+    url: str
+    metrics: Metrics
+    client: httpx.AsyncClient
+    settings: Settings
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels or {})
+        return 0.0 if value is None else value
+
+
+@asynccontextmanager
+async def running_service(settings: Settings) -> AsyncIterator[Service]:
+    metrics = Metrics(process=False)
+    app = create_app(settings, metrics=metrics)
+    async with (
+        serve_in_loop(app, lifespan="on") as url,
+        httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0)) as client,
+    ):
+        yield Service(url, metrics, client, settings)
+
+
+@pytest.fixture
+async def service(database_url: str, sim: RunningSimulator) -> AsyncIterator[Service]:
+    async with running_service(test_settings(database_url, sim)) as svc:
+        yield svc
+
+
+@dataclass
+class Event:
+    event: str
+    id: str
+    data: dict[str, Any]
+
+
+@dataclass
+class ScanOutcome:
+    status: int
+    headers: httpx.Headers
+    events: list[Event] = field(default_factory=list)
+    body: Any = None
+
+    @property
+    def terminal(self) -> Event:
+        return self.events[-1]
+
+    def of(self, name: str) -> list[Event]:
+        return [e for e in self.events if e.event == name]
+
+    def stage(self, step: str, status: str) -> Event:
+        return next(
+            e
+            for e in self.events
+            if e.event == "stage" and e.data["step"] == step and e.data["status"] == status
+        )
+
+
+async def run_scan(client: httpx.AsyncClient, **request: Any) -> ScanOutcome:
+    """POST a scan and read the whole SSE stream (or the JSON error)."""
+    async with aconnect_sse(client, "POST", SCAN_URL, **request) as source:
+        response = source.response
+        if response.status_code != 200:
+            await response.aread()
+            return ScanOutcome(response.status_code, response.headers, body=response.json())
+        outcome = ScanOutcome(200, response.headers)
+        async for sse in source.aiter_sse():
+            outcome.events.append(Event(sse.event, sse.id, json.loads(sse.data)))
+        return outcome
+
+
+def make_jpeg(
+    seed: int, size: tuple[int, int] = (640, 480), *, quality: int = 85, exif_orientation: int | None = None
+) -> bytes:
+    """A deterministic photo-like JPEG: different seeds give different bytes."""
+    img = Image.new("RGB", size, ((seed * 37) % 256, (seed * 91) % 256, (seed * 53) % 256))
+    draw = ImageDraw.Draw(img)
+    for i in range(6):
+        x = (seed * 13 + i * 97) % size[0]
+        y = (seed * 29 + i * 61) % size[1]
+        draw.ellipse(
+            (x, y, x + size[0] // 5, y + size[1] // 5),
+            fill=((i * 40) % 256, 255 - i * 30, (seed + i * 70) % 256),
+        )
+    out = io.BytesIO()
+    kwargs: dict[str, Any] = {"quality": quality}
+    if exif_orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = exif_orientation
+        kwargs["exif"] = exif.tobytes()
+    img.save(out, "JPEG", **kwargs)
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/jpeg") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+async def sim_stats(sim: RunningSimulator) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        stats: dict[str, Any] = (await client.get("/sim/stats")).json()
+        return stats
+
+
+async def sim_configure(sim: RunningSimulator, **changes: Any) -> None:
+    async with httpx.AsyncClient(base_url=sim.url) as client:
+        response = await client.patch("/sim/config", json=changes)
+        response.raise_for_status()
+
+
+async def eventually(predicate: Any, *, attempts: int = 200, interval: float = 0.01) -> bool:
+    """Poll a (possibly async) predicate a bounded number of times."""
+    for _ in range(attempts):
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return True
+        await asyncio.sleep(interval)
+    return False
+
+
+@pytest.fixture
+def jpeg() -> Iterator[bytes]:
+    yield make_jpeg(1)
+
+
+async def scan_row(db: asyncpg.Connection, job_id: str) -> dict[str, Any]:
+    row = await db.fetchrow("SELECT * FROM scans WHERE id = $1", uuid.UUID(job_id))
+    assert row is not None, f"no scans row for {job_id}"
+    return dict(row)
