@@ -166,6 +166,11 @@ class Metrics:
         self.budget_waiters = Gauge(
             "ecoscan_budget_waiters", "Calls queued for the budget.", ["model"], registry=r
         )
+        self.reservations_open = Gauge(
+            "ecoscan_budget_reservations_open",
+            "Budget reservations taken by calls in progress and not yet settled.",
+            registry=r,
+        )
         self.semaphore_in_use = Gauge(
             "ecoscan_stage_semaphore_in_use", "Stage semaphore slots held.", ["stage"], registry=r
         )
@@ -188,6 +193,9 @@ class Metrics:
         )
         self.loop_lag_max = Gauge(
             "ecoscan_event_loop_lag_max_seconds", "Largest loop lag seen since start.", registry=r
+        )
+        self.admission_in_use = Gauge(
+            "ecoscan_admission_slots_in_use", "Admission slots held by scans (global cap).", registry=r
         )
         self.admission_rejected = Counter(
             "ecoscan_admission_rejected_total",

@@ -178,6 +178,8 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         probe = asyncio.create_task(probe_loop_lag(metrics), name="loop-lag-probe")
         stack.callback(probe.cancel)
         _bind_gauges(metrics, budgets, gates, cpu)
+        metrics.reservations_open.set_function(_reader(upstream, "reservations_open"))
+        metrics.admission_in_use.set_function(_reader(admission, "in_flight"))
 
         yield Resources(
             settings=settings,

@@ -96,6 +96,8 @@ class Upstream:
         self._retry = retry
         self._metrics = metrics
         self._clock = clock
+        # Reservations taken and not yet settled: zero whenever no call is in progress.
+        self.reservations_open = 0
 
     async def complete(self, call: ChatCall, *, deadline: float) -> ChatResult:
         return await self._with_retries(call, deadline, None)
@@ -152,9 +154,11 @@ class Upstream:
             result.queue_s += gate_wait + budget_wait
             m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
             started = time.perf_counter()
+            self.reservations_open += 1
             try:
                 await self._call(call, budget, reservation, on_text, result)
             finally:
+                self.reservations_open -= 1
                 elapsed = time.perf_counter() - started
                 result.service_s += elapsed
                 m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)

@@ -110,7 +110,7 @@ async def db(database_url: str) -> AsyncIterator[asyncpg.Connection]:
         await conn.close()
 
 
-def test_settings(database_url: str, sim: RunningSimulator, **overrides: Any) -> Settings:
+def settings_for(database_url: str, sim: RunningSimulator, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
         "database_url": database_url,
         "openai_api_key": "test-key",
@@ -153,7 +153,7 @@ async def running_service(settings: Settings) -> AsyncIterator[Service]:
 
 @pytest.fixture
 async def service(database_url: str, sim: RunningSimulator) -> AsyncIterator[Service]:
-    async with running_service(test_settings(database_url, sim)) as svc:
+    async with running_service(settings_for(database_url, sim)) as svc:
         yield svc
 
 

@@ -16,6 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionUserMess
 from openai.types.chat.completion_create_params import ResponseFormat
 from PIL import Image
 
+from app.sim.__main__ import build_parser, config_from_args
 from app.sim.config import SimConfig
 from app.sim.latency import plan_stream
 from app.sim.ratelimit import format_duration
@@ -301,6 +302,9 @@ async def test_rpm_exhaustion_and_headers(sdk: openai.AsyncOpenAI, sim_http: htt
     counters = await stats(sim_http)
     assert counters["rate_limited_total"] == 1
     assert counters["by_status"] == {"200": 3, "429": 1}
+    # Naming rpm in a PATCH refills the buckets.
+    await configure(sim_http, rpm=2)
+    await sdk.chat.completions.create(model=MODEL, messages=TEXT_MESSAGES, max_tokens=100)
 
 
 async def test_tpm_exhaustion(sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient) -> None:
@@ -382,6 +386,19 @@ async def test_client_cancel_is_counted(
     assert sim_server.state.stats.streams_cancelled == 1
 
 
+async def test_stall_then_complete(sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient) -> None:
+    await configure(sim_http, stall_rate=1.0, stall_s=0.05)
+    stream = await sdk.chat.completions.create(model=MODEL, messages=TEXT_MESSAGES, stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    await configure(sim_http, stall_rate=0.0)
+    plain = await sdk.chat.completions.create(model=MODEL, messages=TEXT_MESSAGES)
+    assert text == plain.choices[0].message.content
+    counters = await stats(sim_http)
+    assert counters["stalls_injected"] == 1
+    assert counters["streams_completed"] == 1
+    assert counters["streams_cancelled"] == 0
+
+
 async def test_patch_config_validation(sim_http: httpx.AsyncClient, sim_server: RunningSimulator) -> None:
     for bad, field in [
         ({"error_rate": 2}, "error_rate"),
@@ -416,6 +433,9 @@ def test_config_validation_and_env() -> None:
     assert config.quota_exhausted is True
     with pytest.raises(ValueError, match="rpm"):
         SimConfig.from_env({"SIM_RPM": "lots"})
+    args = build_parser().parse_args(["--time-scale", "0.5", "--error-kinds", "vision"])
+    merged = config_from_args(args, {"SIM_TIME_SCALE": "0.1", "SIM_RPM": "9"})
+    assert (merged.time_scale, merged.rpm, merged.error_kinds) == (0.5, 9, ("vision",))
 
 
 async def test_image_token_counting(sdk: openai.AsyncOpenAI) -> None:

@@ -56,16 +56,26 @@ class ChatCompletions:
         except InvalidRequest as exc:
             await self._reply(send, 400, exc.body(), headers)
             return
-        kind = request.kind
-        stats.by_kind[kind] = stats.by_kind.get(kind, 0) + 1
+        stats.by_kind[request.kind] = stats.by_kind.get(request.kind, 0) + 1
+        refusal = self._refusal(request, headers)
+        if refusal is not None:
+            await self._reply(send, *refusal)
+            return
+        await self._complete(request, content, headers, receive, send)
+
+    def _refusal(self, request: ChatRequest, headers: list[Header]) -> tuple[int, bytes, list[Header]] | None:
+        """Quota, forced rejection, rate limit or injected error, in OpenAI's order.
+
+        Appends the rate-limit headers to ``headers`` when the buckets were consulted.
+        """
+        state = self.state
+        stats = state.stats
         config = state.config
         limiter = state.limiter
-
         if config.quota_exhausted:
             stats.quota_rejected_total += 1
-            await self._reply(send, 429, QUOTA_BODY, headers + limiter.headers(request.model))
-            return
-        if state.take_reject(kind):
+            return 429, QUOTA_BODY, headers + limiter.headers(request.model)
+        if state.take_reject(request.kind):
             stats.rate_limited_total += 1
             wait_s = config.reject_retry_after_ms / 1000
             body = _rate_limit_body(
@@ -74,29 +84,38 @@ class ChatCompletions:
                 f"Please try again in {format_duration(wait_s)}.",
                 "requests",
             )
-            extra = limiter.headers(request.model) + retry_headers(wait_s)
-            await self._reply(send, 429, body, headers + extra)
-            return
+            return 429, body, headers + limiter.headers(request.model) + retry_headers(wait_s)
         cost = request.prompt_tokens + (request.max_tokens or DEFAULT_MAX_TOKENS)
         denial, limit_headers = limiter.acquire(request.model, cost)
         headers += limit_headers
         if denial is not None:
             stats.rate_limited_total += 1
             body = _rate_limit_body(denial.message, denial.limit_type)
-            await self._reply(send, 429, body, headers + retry_headers(denial.retry_after_s))
-            return
-        if state.inject_error(kind):
+            return 429, body, headers + retry_headers(denial.retry_after_s)
+        if state.inject_error(request.kind):
             stats.errors_injected_total += 1
-            await self._reply(send, config.error_status, SERVER_ERROR_BODY, headers)
-            return
+            return config.error_status, SERVER_ERROR_BODY, headers
+        return None
 
+    async def _complete(
+        self,
+        request: ChatRequest,
+        content: str,
+        headers: list[Header],
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """The 200 path: sleep (or stream) the sampled latency, then the content."""
+        state = self.state
+        stats = state.stats
+        config = state.config
         tokens = split_tokens(content)
         finish = "stop"
         if request.max_tokens is not None and len(tokens) > request.max_tokens:
             tokens = tokens[: request.max_tokens]
             content = "".join(tokens)
             finish = "length"
-        latency = state.latency(kind)
+        latency = state.latency(request.kind)
         headers.append((b"openai-processing-ms", str(round(latency * 1000)).encode()))
         stats.count_status(200)
         stats.prompt_tokens += request.prompt_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -63,8 +64,13 @@ class SimConfig:
         _kinds("reject_kinds", self.reject_kinds)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> SimConfig:
-        """Build from ``SIM_<FIELD>`` variables (e.g. ``SIM_TIME_SCALE=0.01``); others default."""
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SimConfig:
+        """Build from ``SIM_<FIELD>`` variables (e.g. ``SIM_TIME_SCALE=0.01``); others default.
+
+        ``environ`` defaults to ``os.environ``; kind lists are comma-separated.
+        """
+        if environ is None:
+            environ = os.environ
         values: dict[str, Any] = {}
         for f in fields(cls):
             raw = environ.get(ENV_PREFIX + f.name.upper())

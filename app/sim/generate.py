@@ -162,7 +162,8 @@ class _Walker:
         low = int(schema.get("minItems", 0))
         high = schema.get("maxItems")
         upper = max(low, UNBOUNDED_ARRAY_MAX if high is None else min(int(high), 5))
-        count = low if depth > MAX_DEPTH else self.rng.randint(min(max(low, 1), upper), upper)
+        # Empty arrays are legal and common in real replies (e.g. "nothing left to do").
+        count = low if depth > MAX_DEPTH else self.rng.randint(low, upper)
         items = schema.get("items", {})
         if isinstance(items, dict) and "enum" in items and schema.get("uniqueItems"):
             choices = items["enum"]

@@ -15,17 +15,38 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from app.sim.completions import ChatCompletions
 from app.sim.config import SimConfig
 from app.sim.state import SimState
 
+CHAT_PATH = "/v1/chat/completions"
 MODELS = ("gpt-4o-mini", "gpt-4o", "gpt-4.1-mini", "gpt-4.1-nano", "gpt-4.1")
 
 
+class SimApp(Starlette):
+    """Starlette, except chat completions skip the middleware stack.
+
+    A streamed response resumes its coroutine once per chunk, and each resume (and each
+    ``send``) would otherwise pass through Starlette's error/exception middleware frames.
+    """
+
+    def __init__(self, chat: ChatCompletions, routes: list[Route]) -> None:
+        super().__init__(routes=routes, exception_handlers={HTTPException: _http_error})
+        self.chat = chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == CHAT_PATH and scope["method"] == "POST":
+            await self.chat(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 def create_sim_app(config: SimConfig) -> Starlette:
-    """The simulator as a plain Starlette app; its ``SimState`` is ``app.state.sim``."""
+    """The simulator as a Starlette app; its ``SimState`` is ``app.state.sim``."""
     state = SimState(config)
+    chat = ChatCompletions(state)
 
     async def models(_: Request) -> Response:
         data = [
@@ -56,16 +77,16 @@ def create_sim_app(config: SimConfig) -> Starlette:
             return _config_error(str(exc))
         return JSONResponse(config.to_dict())
 
-    app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", ChatCompletions(state), methods=["POST"]),
+    app = SimApp(
+        chat,
+        [
+            Route(CHAT_PATH, chat, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/sim/stats", get_stats, methods=["GET"]),
             Route("/sim/stats/reset", reset_stats, methods=["POST"]),
             Route("/sim/config", get_config, methods=["GET"]),
             Route("/sim/config", patch_config, methods=["PATCH"]),
         ],
-        exception_handlers={HTTPException: _http_error},
     )
     app.state.sim = state
     return app
@@ -136,6 +157,8 @@ def uvicorn_config(app: Starlette, **overrides: object) -> uvicorn.Config:
         "server_header": False,
         "ws": "none",
         "timeout_graceful_shutdown": 2,
+        # Outlive client pools' idle connections so reuse never races a server-side close.
+        "timeout_keep_alive": 60,
         "backlog": 4096,
     }
     options.update(overrides)

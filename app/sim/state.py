@@ -38,9 +38,18 @@ class SimState:
             self.rng = random.Random(config.seed)
 
     def configure(self, changes: Mapping[str, Any]) -> SimConfig:
-        """Apply a partial update (validated; ValueError names the bad field)."""
-        self.config = self._config.updated(changes)
-        return self._config
+        """Apply a partial update (validated; ValueError names the bad field).
+
+        Naming ``rpm``/``tpm`` refills the buckets and naming ``seed`` reseeds the fault
+        RNG even when the value is unchanged, so tests can start from a known state.
+        """
+        config = self._config.updated(changes)
+        self.config = config
+        if "rpm" in changes or "tpm" in changes:
+            self.limiter = RateLimiter(config.rpm, config.tpm)
+        if "seed" in changes:
+            self.rng = random.Random(config.seed)
+        return config
 
     def take_reject(self, kind: str) -> bool:
         """Consume one of ``reject_next`` if it applies to ``kind``."""

@@ -15,6 +15,9 @@ Send = Any
 Receive = Any
 
 DONE = b"data: [DONE]\n\n"
+# Filler text repeats a small vocabulary, so encoded deltas are worth memoising.
+_DELTAS: dict[str, bytes] = {}
+_DELTA_CACHE_MAX = 50_000
 
 
 class ChunkEncoder:
@@ -34,9 +37,13 @@ class ChunkEncoder:
         return self._open + b'{"role":"assistant","content":"","refusal":null}' + self._close
 
     def token(self, text: str) -> bytes:
-        return (
-            self._open + b'{"content":' + json.dumps(text, ensure_ascii=False).encode() + (b"}" + self._close)
-        )
+        delta = _DELTAS.get(text)
+        if delta is None:
+            if len(_DELTAS) >= _DELTA_CACHE_MAX:
+                _DELTAS.clear()
+            delta = b'{"content":' + json.dumps(text, ensure_ascii=False).encode() + b"}"
+            _DELTAS[text] = delta
+        return self._open + delta + self._close
 
     def finish(self, reason: str) -> bytes:
         return (
@@ -102,7 +109,10 @@ async def stream_events(
                     await asyncio.sleep(delay)
             if j == stall_at and stall_s is not None:
                 stats.stalls_injected += 1
+                stalled_from = loop.time()
                 await _stall(state, stall_s)
+                # Resume the normal pace afterwards instead of bursting the backlog.
+                start += loop.time() - stalled_from
             body = b"".join([encoder.token(t) for t in batch])
             if j == 0:
                 body = encoder.role() + body

@@ -1,0 +1,256 @@
+// Shared request logic for k6/scan.js, k6/arrival.js and k6/closed.js.
+//
+// One iteration = one scan: POST /api/v1/scan/classify/completion, wait for the whole
+// text/event-stream body (k6 has no SSE client; http.post returns when the stream
+// ends), parse the events and record them in the custom metrics below.
+//
+// Environment (all optional):
+//   BASE_URL         service URL (default http://127.0.0.1:8000)
+//   FORM             json | multipart | mixed (alternate per iteration), default json
+//   IMAGE_SET        big (4032x3024, ~3.5 MB) | small (1280x960, ~0.35 MB), default big
+//   IMAGES_DIR       where make_images.py wrote the images (default k6/images)
+//   REQ_TIMEOUT      per-request timeout, default 120s
+//   RETRY_AFTER_MAX  upper bound in seconds for the Retry-After sleep after a 429/503
+//                    (default 10, arrival.js 0; 0 = don't sleep)
+//   THINK            seconds to sleep after each completed scan (default 0)
+//   USER_PREFIX      X-User-ID prefix (default "vu-"; each VU is its own user)
+//   SUMMARY_JSON     write the raw end-of-test summary as JSON to this path
+//
+// Memory: open() copies data into every VU, so each VU loads ONE image of the set
+// (rotating over the set by VU number) and pre-builds its request body once. That keeps
+// a 2000-VU run with IMAGE_SET=small at ~1 MB per VU instead of the whole set per VU.
+
+import http from 'k6/http';
+import encoding from 'k6/encoding';
+import { check, sleep } from 'k6';
+import { Counter, Rate, Trend } from 'k6/metrics';
+
+export const BASE_URL = (__ENV.BASE_URL || 'http://127.0.0.1:8000').replace(/\/+$/, '');
+export const SCAN_URL = `${BASE_URL}/api/v1/scan/classify/completion`;
+export const FORM = (__ENV.FORM || 'json').toLowerCase();
+export const IMAGE_SET = (__ENV.IMAGE_SET || 'big').toLowerCase();
+export const REQ_TIMEOUT = __ENV.REQ_TIMEOUT || '120s';
+const RETRY_AFTER_MAX = envNumber('RETRY_AFTER_MAX', null); // null: the script's default
+const THINK = envNumber('THINK', 0);
+const USER_PREFIX = __ENV.USER_PREFIX || 'vu-';
+
+if (!['json', 'multipart', 'mixed'].includes(FORM)) {
+  throw new Error(`FORM must be json, multipart or mixed, got ${FORM}`);
+}
+if (!['big', 'small'].includes(IMAGE_SET)) {
+  throw new Error(`IMAGE_SET must be big or small, got ${IMAGE_SET}`);
+}
+
+// --- metrics ---------------------------------------------------------------------------
+const sseTtfb = new Trend('sse_ttfb', true);
+const sseTotal = new Trend('sse_total_duration', true);
+const stageTrends = {
+  vision_ms: new Trend('stage_vision_ms', true),
+  rule_ms: new Trend('stage_rule_ms', true),
+  answer_ms: new Trend('stage_answer_ms', true),
+  reward_ms: new Trend('stage_reward_ms', true),
+  prepare_ms: new Trend('stage_prepare_ms', true),
+};
+const scanSuccess = new Rate('scan_success');
+const scanRejected = new Counter('scan_rejected');
+const scanErrors = new Counter('scan_errors');
+const scanCompleted = new Counter('scan_completed');
+const scanHttpErrors = new Counter('scan_http_errors'); // non-200, non-rejection answers (0 = timeout/reset)
+const sseDeltas = new Counter('sse_deltas');
+
+// 429 and 503 are the service shedding load as designed: not failures.
+http.setResponseCallback(http.expectedStatuses(200, 429, 503));
+
+// --- shared options pieces ---------------------------------------------------------------
+export const THRESHOLDS = {
+  http_req_failed: ['rate<0.3'],
+  sse_total_duration: ['p(95)<30000'],
+  sse_ttfb: ['p(95)<8000'],
+};
+
+export const SUMMARY_TREND_STATS = ['avg', 'min', 'med', 'max', 'p(90)', 'p(95)', 'p(99)', 'count'];
+
+// --- images and request bodies (init context, once per VU) -----------------------------------
+const IMAGES_DIR = __ENV.IMAGES_DIR ? __ENV.IMAGES_DIR.replace(/\/+$/, '') : '../images';
+const USER_INPUTS = [
+  '이거 어떻게 버려요?',
+  '뚜껑이랑 라벨은 따로 분리해야 하나요?',
+  '음식물이 조금 묻어 있는데 재활용 되나요?',
+  '',
+  'How do I dispose of this?',
+];
+
+function loadManifest() {
+  try {
+    return JSON.parse(open(`${IMAGES_DIR}/manifest.json`));
+  } catch (e) {
+    throw new Error(`cannot read ${IMAGES_DIR}/manifest.json (run: python k6/make_images.py): ${e}`);
+  }
+}
+
+const manifest = loadManifest();
+const imageList = manifest[IMAGE_SET];
+if (!imageList || imageList.length === 0) {
+  throw new Error(`manifest.json has no "${IMAGE_SET}" images`);
+}
+// k6 only lets a VU open() files that were opened while it first parsed the script
+// (__VU == 0), so that pass registers the whole set; real VUs then keep one image each.
+if (__VU === 0) {
+  for (const entry of imageList) open(`${IMAGES_DIR}/${entry.file}`, 'b');
+}
+const vuIndex = __VU > 0 ? __VU - 1 : 0;
+const image = imageList[vuIndex % imageList.length];
+const userInput = USER_INPUTS[vuIndex % USER_INPUTS.length];
+const imageBytes = __VU === 0 ? null : open(`${IMAGES_DIR}/${image.file}`, 'b');
+const jsonBody =
+  FORM === 'multipart' || imageBytes === null
+    ? null
+    : JSON.stringify({
+        image_url: `data:image/jpeg;base64,${encoding.b64encode(imageBytes)}`,
+        user_input: userInput,
+      });
+
+function envNumber(name, fallback) {
+  const raw = __ENV[name];
+  if (raw === undefined || raw === '') return fallback;
+  const value = Number(raw);
+  if (!Number.isFinite(value)) throw new Error(`${name} must be a number, got ${raw}`);
+  return value;
+}
+
+// --- SSE parsing -------------------------------------------------------------------------------
+// Events are separated by a blank line; within one, `event:` names it and `data:` lines
+// (joined by "\n") carry the payload. Lines starting with ":" are comments (pings).
+export function parseSse(body) {
+  const events = [];
+  if (!body) return events;
+  const blocks = String(body).replace(/\r\n?/g, '\n').split(/\n\n+/);
+  for (const block of blocks) {
+    let name = 'message';
+    const data = [];
+    for (const line of block.split('\n')) {
+      if (line === '' || line.startsWith(':')) continue;
+      const colon = line.indexOf(':');
+      const field = colon < 0 ? line : line.slice(0, colon);
+      let value = colon < 0 ? '' : line.slice(colon + 1);
+      if (value.startsWith(' ')) value = value.slice(1);
+      if (field === 'event') name = value;
+      else if (field === 'data') data.push(value);
+    }
+    if (data.length === 0) continue;
+    let parsed = null;
+    try {
+      parsed = JSON.parse(data.join('\n'));
+    } catch (_e) {
+      parsed = { raw: data.join('\n') };
+    }
+    events.push({ event: name, data: parsed });
+  }
+  return events;
+}
+
+// --- one scan ------------------------------------------------------------------------------------
+function formFor(iteration) {
+  if (FORM !== 'mixed') return FORM;
+  return (iteration + __VU) % 2 === 0 ? 'json' : 'multipart';
+}
+
+function send(form) {
+  const params = {
+    headers: { 'X-User-ID': `${USER_PREFIX}${__VU}`, Accept: 'text/event-stream' },
+    timeout: REQ_TIMEOUT,
+    tags: { name: 'scan', form, image_set: IMAGE_SET },
+    responseType: 'text',
+  };
+  if (form === 'json') {
+    params.headers['Content-Type'] = 'application/json';
+    return http.post(SCAN_URL, jsonBody, params);
+  }
+  const payload = {
+    image: http.file(imageBytes, image.file, 'image/jpeg'),
+    user_input: userInput,
+  };
+  return http.post(SCAN_URL, payload, params);
+}
+
+function retryAfterSeconds(res) {
+  const raw = res.headers['Retry-After'] || res.headers['retry-after'];
+  const seconds = Number(raw);
+  return Number.isFinite(seconds) && seconds > 0 ? seconds : 1;
+}
+
+function rejectionCode(res) {
+  try {
+    return JSON.parse(res.body).code || 'UNKNOWN';
+  } catch (_e) {
+    return 'UNKNOWN';
+  }
+}
+
+// Returns a short outcome string: completed | error | rejected | http_error.
+// `defaults.retryAfterMax` is the script's default bound for the Retry-After sleep
+// (RETRY_AFTER_MAX in the environment wins).
+export function scanOnce(defaults = {}) {
+  const retryAfterMax = RETRY_AFTER_MAX ?? defaults.retryAfterMax ?? 10;
+  const form = formFor(__ITER);
+  const res = send(form);
+
+  if (res.status === 429 || res.status === 503) {
+    scanRejected.add(1, { status: String(res.status), code: rejectionCode(res) });
+    if (retryAfterMax > 0) {
+      // Jitter below the server's hint so rejected VUs don't come back in lockstep.
+      const wait = Math.min(retryAfterSeconds(res), retryAfterMax);
+      sleep(wait * (0.5 + Math.random() * 0.5));
+    }
+    return 'rejected';
+  }
+
+  if (res.status !== 200) {
+    scanHttpErrors.add(1, { status: String(res.status) });
+    scanSuccess.add(false, { form });
+    check(res, { 'scan answered 200': () => false });
+    return 'http_error';
+  }
+
+  sseTtfb.add(res.timings.waiting, { form });
+  sseTotal.add(res.timings.duration, { form });
+
+  const events = parseSse(res.body);
+  let done = null;
+  let error = null;
+  let deltas = 0;
+  for (const ev of events) {
+    if (ev.event === 'done') done = ev.data;
+    else if (ev.event === 'error') error = ev.data;
+    else if (ev.event === 'delta') deltas += 1;
+  }
+  sseDeltas.add(deltas);
+
+  if (error) {
+    scanErrors.add(1, { code: String(error.code || 'UNKNOWN'), step: String(error.step || '') });
+  }
+  if (done && !error) {
+    scanCompleted.add(1);
+    const timings = done.timings || {};
+    for (const key of Object.keys(stageTrends)) {
+      if (typeof timings[key] === 'number') stageTrends[key].add(timings[key]);
+    }
+  }
+  const ok = Boolean(done) && !error;
+  scanSuccess.add(ok, { form });
+  check(res, {
+    'scan answered 200': () => true,
+    'stream ended with done': () => ok,
+  });
+  if (ok && THINK > 0) sleep(THINK);
+  return ok ? 'completed' : 'error';
+}
+
+// Fail fast (before any VU starts) when the service is not up.
+export function checkReady() {
+  const res = http.get(`${BASE_URL}/readyz`, { tags: { name: 'readyz' }, timeout: '10s' });
+  if (res.status !== 200) {
+    throw new Error(`${BASE_URL}/readyz answered ${res.status}: is the service running?`);
+  }
+  return { baseUrl: BASE_URL, form: FORM, imageSet: IMAGE_SET };
+}

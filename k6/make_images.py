@@ -1,0 +1,148 @@
+"""Generate the load-test photos once into ``k6/images/`` (gitignored).
+
+    .venv/bin/python k6/make_images.py            # 4 big (4032x3024) + 4 small (1280x960)
+    .venv/bin/python k6/make_images.py --force    # regenerate even if the files exist
+
+The images are photo-like on purpose: a smooth background (gradients), blurred
+"objects" (shapes), fine per-pixel sensor noise and blotchy low-frequency noise, saved
+as quality-92 JPEG. That keeps them from compressing to nothing, so a big one weighs a
+few megabytes like a phone photo and costs the service a realistic decode. Everything
+is derived from a fixed seed per file (Pillow + ``random.Random``), so every run and
+every machine produces the same bytes, and existing files are skipped.
+
+Also writes ``k6/images/manifest.json``: ``{"big": [{"file", "width", "height",
+"bytes"}, ...], "small": [...]}``, which the k6 scripts read in their init context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFilter
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "images"
+QUALITY = 92
+MAX_BYTES = 9 * 1024 * 1024  # the service's default IMAGE_MAX_BYTES is 10 MiB
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    group: str  # "big" or "small"
+    width: int
+    height: int
+    seed: int
+
+
+VARIANTS = tuple(
+    [Variant(f"big-{i}.jpg", "big", 4032, 3024, 1000 + i) for i in range(1, 5)]
+    + [Variant(f"small-{i}.jpg", "small", 1280, 960, 2000 + i) for i in range(1, 5)]
+)
+
+
+def random_color(rng: random.Random, low: int = 0, high: int = 255) -> tuple[int, int, int]:
+    return (rng.randint(low, high), rng.randint(low, high), rng.randint(low, high))
+
+
+def background(rng: random.Random, size: tuple[int, int]) -> Image.Image:
+    """Two colours blended along a linear gradient, lit by a radial vignette."""
+    top, bottom = random_color(rng, 40, 220), random_color(rng, 20, 200)
+    mask = Image.linear_gradient("L").rotate(rng.uniform(-40, 40), resample=Image.Resampling.BICUBIC)
+    mask = mask.resize(size, Image.Resampling.BICUBIC)
+    base = Image.composite(Image.new("RGB", size, top), Image.new("RGB", size, bottom), mask)
+    vignette = Image.radial_gradient("L").resize(size, Image.Resampling.BICUBIC)
+    return Image.composite(Image.new("RGB", size, (10, 10, 10)), base, vignette.point(lambda v: v // 3))
+
+
+def draw_objects(rng: random.Random, image: Image.Image) -> Image.Image:
+    """Blurred ellipses, rectangles and polygons: the 'things' in the photo."""
+    w, h = image.size
+    layer = image.copy()
+    draw = ImageDraw.Draw(layer)
+    for _ in range(rng.randint(8, 14)):
+        x, y = rng.uniform(-0.1, 1.0) * w, rng.uniform(-0.1, 1.0) * h
+        sw, sh = rng.uniform(0.05, 0.45) * w, rng.uniform(0.05, 0.45) * h
+        fill = random_color(rng)
+        kind = rng.choice(("ellipse", "rect", "poly"))
+        if kind == "ellipse":
+            draw.ellipse((x, y, x + sw, y + sh), fill=fill)
+        elif kind == "rect":
+            draw.rounded_rectangle((x, y, x + sw, y + sh), radius=int(min(sw, sh) / 6), fill=fill)
+        else:
+            points = [(x + rng.uniform(0, sw), y + rng.uniform(0, sh)) for _ in range(rng.randint(3, 7))]
+            draw.polygon(points, fill=fill)
+        if rng.random() < 0.5:  # a label-like stripe with "text" ticks
+            stripe_y = y + sh * rng.uniform(0.3, 0.7)
+            draw.rectangle((x, stripe_y, x + sw, stripe_y + sh * 0.1), fill=random_color(rng, 200, 255))
+            for tick in range(int(sw // max(8, w // 200))):
+                tx = x + tick * max(8, w // 200)
+                draw.line((tx, stripe_y + 2, tx, stripe_y + sh * 0.08), fill=(20, 20, 20), width=2)
+    return layer.filter(ImageFilter.GaussianBlur(radius=max(1, w // 1500)))
+
+
+def noise(rng: random.Random, size: tuple[int, int], mode: str = "RGB") -> Image.Image:
+    channels = len(mode)
+    return Image.frombytes(mode, size, rng.randbytes(size[0] * size[1] * channels))
+
+
+def photo(variant: Variant) -> Image.Image:
+    rng = random.Random(variant.seed)
+    size = (variant.width, variant.height)
+    image = draw_objects(rng, background(rng, size))
+    # Low-frequency blotches (lighting, texture), then per-pixel sensor noise.
+    blotches = noise(rng, (max(2, variant.width // 64), max(2, variant.height // 64)))
+    image = Image.blend(image, blotches.resize(size, Image.Resampling.BICUBIC), 0.18)
+    grain = noise(rng, size).filter(ImageFilter.GaussianBlur(radius=0.5))
+    return Image.blend(image, grain, 0.16)
+
+
+def save(image: Image.Image, path: Path) -> int:
+    image.save(path, "JPEG", quality=QUALITY, subsampling=2, optimize=False)
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        print(f"warning: {path.name} is {size / 2**20:.1f} MiB, above {MAX_BYTES / 2**20:.0f} MiB")
+    return size
+
+
+def generate(out: Path, force: bool) -> dict[str, list[dict[str, object]]]:
+    out.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, list[dict[str, object]]] = {"big": [], "small": []}
+    for variant in VARIANTS:
+        path = out / variant.name
+        if path.exists() and not force:
+            print(f"skip  {path.name} (exists, {path.stat().st_size / 2**20:.2f} MiB)")
+        else:
+            save(photo(variant), path)
+            print(f"wrote {path.name} {variant.width}x{variant.height} {path.stat().st_size / 2**20:.2f} MiB")
+        manifest[variant.group].append(
+            {
+                "file": variant.name,
+                "width": variant.width,
+                "height": variant.height,
+                "bytes": path.stat().st_size,
+            }
+        )
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    print(f"wrote {out / 'manifest.json'}")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default k6/images)")
+    parser.add_argument("--force", action="store_true", help="regenerate files that already exist")
+    args = parser.parse_args(argv)
+    generate(args.out, args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

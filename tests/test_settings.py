@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+
+from app.settings import Settings, SettingsError
+
+
+def test_reads_environment_and_casts() -> None:
+    s = Settings.from_env({"CPU_MAX_WORKERS": "3", "OPENAI_RPM": "1_000", "SCAN_DEADLINE_S": "12.5"})
+    assert (s.cpu_max_workers, s.openai_rpm, s.scan_deadline_s) == (3, 1000, 12.5)
+    assert s.uses_simulator and s.uses_embedded_postgres
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CPU_MAX_WORKERS": "0"}, "CPU_MAX_WORKERS"),
+        ({"VISION_CONCURRENCY": "-1"}, "VISION_CONCURRENCY"),
+        ({"OPENAI_TPM": "lots"}, "OPENAI_TPM"),
+        ({"VISION_DETAIL": "ultra"}, "VISION_DETAIL"),
+        ({"RATE_BURST_FRACTION": "1.5"}, "RATE_BURST_FRACTION"),
+        ({"DB_POOL_MIN": "30", "DB_POOL_MAX": "5"}, "DB_POOL_MIN"),
+        ({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}, "OPENAI_API_KEY"),
+    ],
+)
+def test_nonsense_is_rejected_naming_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env(env)
+
+
+def test_zero_is_allowed_where_it_means_off() -> None:
+    s = Settings.from_env({"ADMISSION_WAIT_S": "0", "CPU_QUEUE_LIMIT": "0", "DELTA_FLUSH_MS": "0"})
+    assert s.admission_wait_s == 0 and s.cpu_queue_limit == 0
