@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from app.serving import bind_socket, uvicorn_config
 from app.sim.config import SimConfig, field_kind, field_names, parse_field_text
-from app.sim.server import bind_socket, create_sim_app, uvicorn_config
+from app.sim.server import create_sim_app
 
 log = logging.getLogger("app.sim")
 
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     log.info("OpenAI simulator listening on http://%s:%d/v1 (%s)", shown_host, port, config)
-    server = uvicorn.Server(uvicorn_config(create_sim_app(config)))
+    server = uvicorn.Server(uvicorn_config(create_sim_app(config), log_config=uvicorn.config.LOGGING_CONFIG))
     try:
         server.run(sockets=[sock])
     finally:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import socket
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -17,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from app.serving import serve_in_loop
 from app.sim.completions import ChatCompletions
 from app.sim.config import SimConfig
 from app.sim.state import SimState
@@ -124,69 +123,16 @@ class RunningSimulator:
         return self.url + "/v1"
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """Leaves the host process's signal handlers alone."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket, so port 0 resolves before the server starts."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # An explicit IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets
-    # whose proto says TCP, and without it Nagle + delayed ACK add ~40 ms per response.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def uvicorn_config(app: Starlette, **overrides: object) -> uvicorn.Config:
-    options: dict[str, object] = {
-        "log_level": "warning",
-        "lifespan": "off",
-        "access_log": False,
-        "proxy_headers": False,
-        "server_header": False,
-        "ws": "none",
-        "timeout_graceful_shutdown": 2,
-        # Outlive client pools' idle connections so reuse never races a server-side close.
-        "timeout_keep_alive": 60,
-        "backlog": 4096,
-    }
-    options.update(overrides)
-    return uvicorn.Config(app, **options)  # type: ignore[arg-type]
-
-
 @contextlib.asynccontextmanager
 async def run_simulator(
     config: SimConfig, host: str = "127.0.0.1", port: int = 0
 ) -> AsyncIterator[RunningSimulator]:
     """Serve the simulator in the current event loop for the duration of the block."""
     app = create_sim_app(config)
-    sock = bind_socket(host, port)
-    bound_port = sock.getsockname()[1]
-    server = _EmbeddedServer(uvicorn_config(app, log_config=None))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
     state: SimState = app.state.sim
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError("simulator exited during startup")
-            await asyncio.sleep(0.005)
-        yield RunningSimulator(host=host, port=bound_port, state=state, app=app)
-    finally:
-        state.closing.set()
-        server.should_exit = True
+    async with serve_in_loop(app, host, port) as url:
         try:
-            await task
+            yield RunningSimulator(host=host, port=urlsplit(url).port or port, state=state, app=app)
         finally:
-            sock.close()
+            # Injected stalls end at once, so shutdown does not wait for them.
+            state.closing.set()
