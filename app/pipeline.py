@@ -279,8 +279,7 @@ class ScanPipeline:
         completed("reward", 98, reward=state.partial["reward"])
         state.step = "done"
         return {
-            "classification": vision.classification.to_json(),
-            "situation_tags": vision.situation_tags,
+            **vision.to_json(),
             "disposal_rules": rule.to_json(),
             "disposal_rules_reason": rule.reason,
             "answer": answer.to_json(),

@@ -1,13 +1,16 @@
 """Our waste taxonomy, loaded from PostgreSQL once at start-up.
 
-The vision stage asks the model to pick one *path* ("재활용폐기물 > 종이 > 신문지")
-from an enum of every valid path, instead of three independent enums: with separate
-major/middle/minor enums a schema-following model could still return 음식물류폐기물 +
-종이, while a path enum makes inconsistent classifications impossible.
+The vision stage asks the model to pick one *category path* from an enum
+("재활용폐기물 > 종이", "음식물류폐기물", ...) instead of independent major and
+middle enums: a path enum makes inconsistent pairs (음식물류폐기물 + 종이)
+impossible. Recyclables always carry a middle category (rules and rewards are
+keyed by it); other majors have none.
 
-Recyclables always carry a middle category (rules and rewards are keyed by it);
-other majors have no middles, and a path may stop before the minor item when the
-model cannot name it.
+The minor item is *not* an enum. Every enum value is prompt tokens on every call
+(and OpenAI's TPM budget counts them): the full major/middle/minor path list is
+~2,400 tokens, which alone would make Tier 1's 500k TPM, not its 500 RPM, the
+limit. The model names the item in a few words instead, and `minor` is set only
+when that name is one of the category's known minor items.
 """
 
 from __future__ import annotations
@@ -44,8 +47,15 @@ class Taxonomy:
     def tag_names(self) -> list[str]:
         return [t["name"] for t in self.tags]
 
-    def classify_path(self, path: str) -> Classification | None:
-        return self.paths.get(path)
+    def classify(self, path: str, item: str | None) -> Classification | None:
+        """The classification for a category path and the model's item name, or None
+        if the path is not ours. `minor` is kept only when it is a known item."""
+        category = self.paths.get(path)
+        if category is None:
+            return None
+        name = " ".join(item.split()) if item else ""
+        known = self.minors.get((category.major, category.middle), [])
+        return Classification(category.major, category.middle, name if name in known else None)
 
     def is_recyclable(self, major: str) -> bool:
         return major in self.recyclable
@@ -55,18 +65,11 @@ class Taxonomy:
         return {
             "type": "object",
             "properties": {
-                "category": {
-                    "type": "string",
-                    "description": "The item's category path, most specific that fits.",
-                    "enum": list(self.paths),
-                },
-                "situation_tags": {
-                    "type": "array",
-                    "description": "Conditions visible in the photo that change how to dispose of it.",
-                    "items": {"type": "string", "enum": self.tag_names},
-                },
+                "category": {"type": "string", "enum": list(self.paths)},
+                "item": {"type": "string", "maxLength": 30},
+                "situation_tags": {"type": "array", "items": {"type": "string", "enum": self.tag_names}},
             },
-            "required": ["category", "situation_tags"],
+            "required": ["category", "item", "situation_tags"],
             "additionalProperties": False,
         }
 
@@ -134,12 +137,9 @@ def _paths(t: Taxonomy) -> dict[str, Classification]:
         name = major["name"]
         if name in t.recyclable:
             for middle in t.middles.get(name, []):
-                mid = middle["name"]
-                paths[PATH_SEPARATOR.join((name, mid))] = Classification(name, mid, None)
-                for minor in t.minors.get((name, mid), []):
-                    paths[PATH_SEPARATOR.join((name, mid, minor))] = Classification(name, mid, minor)
+                paths[PATH_SEPARATOR.join((name, middle["name"]))] = Classification(
+                    name, middle["name"], None
+                )
         else:
             paths[name] = Classification(name, None, None)
-            for minor in t.minors.get((name, None), []):
-                paths[PATH_SEPARATOR.join((name, minor))] = Classification(name, None, minor)
     return paths

@@ -471,9 +471,13 @@ def metrics_digest(before: Samples, after: Samples) -> dict[str, Any]:
     out["first_event_avg_ms"] = avg_ms(
         "ecoscan_scan_first_event_seconds_sum", "ecoscan_scan_first_event_seconds_count"
     )
+    # The max gauge covers the process's whole life (start-up, warm-up, first scan); the
+    # histogram's deltas cover the run only, to bucket resolution (an upper bound).
+    lag = "ecoscan_event_loop_lag_seconds"
+    out["loop_lag_max_ms"] = histogram_quantile(before, after, lag, 1.0)
+    out["loop_lag_p99_ms"] = histogram_quantile(before, after, lag, 0.99)
     lag_max = total(after, "ecoscan_event_loop_lag_max_seconds")
-    out["loop_lag_max_ms"] = round(lag_max * 1000, 1) if after else None
-    out["loop_lag_p99_ms"] = histogram_quantile(before, after, "ecoscan_event_loop_lag_seconds", 0.99)
+    out["loop_lag_gauge_max_ms"] = round(lag_max * 1000, 1) if after else None
     out["upstream_429"] = delta("ecoscan_upstream_rate_limited_total")
     out["upstream_retries"] = delta("ecoscan_upstream_retries_total")
     by_outcome: dict[str, float] = {}
@@ -497,7 +501,7 @@ def histogram_quantile(before: Samples, after: Samples, name: str, q: float) -> 
     target = q * buckets[-1][1]
     for bound, cumulative in buckets:
         if cumulative >= target:
-            return None if math.isinf(bound) else bound * 1000
+            return None if math.isinf(bound) else round(bound * 1000, 3)
     return None
 
 
@@ -743,7 +747,9 @@ def csv_row(point: Point, result: dict[str, Any]) -> dict[str, Any]:
     row[level_name(point)] = point.level
     row["error"] = str(result.get("error", "")).split("\n", 1)[0]
     k6 = result.get("k6", {})
-    for key in ("completed", "failed", "rejected", "dropped", "success_rate", "throughput"):
+    for key in ("completed", "failed", "rejected", "dropped"):
+        row[key] = None if k6.get(key) is None else int(k6[key])
+    for key in ("success_rate", "throughput"):
         row[key] = k6.get(key)
     for key in ("ttfb_avg", "ttfb_p95", "total_avg", "total_p95", "total_max"):
         row[key + "_ms"] = k6.get(key)
@@ -764,6 +770,7 @@ def csv_row(point: Point, result: dict[str, Any]) -> dict[str, Any]:
     for key in (
         "loop_lag_max_ms",
         "loop_lag_p99_ms",
+        "loop_lag_gauge_max_ms",
         "vision_queue_avg_ms",
         "vision_service_avg_ms",
         "answer_queue_avg_ms",

@@ -85,7 +85,9 @@ class ChatCompletions:
                 "requests",
             )
             return 429, body, headers + limiter.headers(request.model) + retry_headers(wait_s)
-        cost = request.prompt_tokens + (request.max_tokens or DEFAULT_MAX_TOKENS)
+        # OpenAI: "your rate limit is calculated as the maximum of max_tokens and the
+        # estimated number of tokens based on the character count of your request".
+        cost = max(request.prompt_tokens, request.max_tokens or DEFAULT_MAX_TOKENS)
         denial, limit_headers = limiter.acquire(request.model, cost)
         headers += limit_headers
         if denial is not None:

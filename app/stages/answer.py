@@ -138,7 +138,7 @@ class AnswerStage:
     def build_call(self, vision: VisionResult, rule: RuleMatch, user_input: str | None) -> ChatCall:
         c = vision.classification
         facts: dict[str, Any] = {
-            "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor},
+            "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor or vision.item_name},
             "상황 태그": vision.situation_tags,
             "배출 규칙": _condensed(rule.document) if rule.document else rule.reason,
             "사용자 질문": user_input or "(없음)",
@@ -194,6 +194,8 @@ def _strings(value: object) -> bool:
 
 
 def _condensed(document: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a rule document the answer needs; tips and titles cost tokens for nothing."""
-    keep = ("summary", "preparation", "disposal", "not_accepted")
+    """The parts of a rule document the answer is written from. Every token here is paid
+    on every scan (and counted against TPM): titles, tips and the not-accepted list are
+    left out; the client gets the whole document in the `rule` event anyway."""
+    keep = ("summary", "preparation", "disposal")
     return {k: document[k] for k in keep if k in document}

@@ -18,24 +18,26 @@ from app.taxonomy import Classification, Taxonomy
 from app.upstream import ChatCall, ChatResult, Upstream
 
 MAX_TAGS = 8
+MAX_ITEM_CHARS = 30
 
 SYSTEM_PROMPT = (
-    "당신은 한국 생활폐기물 분리배출 분류기입니다. 사진 속 주된 품목 하나를 보고 "
-    "category 목록에서 가장 구체적으로 맞는 경로를 고르세요. 재질이나 종류를 판단할 수 "
-    "없으면 '미분류'를 고르세요. situation_tags에는 사진에서 실제로 보이는 상태 중 배출 "
-    "방법에 영향을 주는 것만 고르세요(없으면 빈 배열)."
+    "당신은 한국 생활폐기물 분리배출 분류기입니다. 사진 속 주된 품목 하나의 category를 "
+    "고르고(판단할 수 없으면 '미분류'), item에 품목 이름을 짧은 명사로 쓰세요(예: 우유팩). "
+    "situation_tags에는 사진에 보이는 상태 중 배출 방법에 영향을 주는 것만 고르세요."
 )
 
 
 @dataclass(frozen=True)
 class VisionResult:
     classification: Classification
+    item_name: str  # the model's own words for the item; `minor` only if it is a known one
     situation_tags: list[str]
     call: ChatResult
 
     def to_json(self) -> dict[str, Any]:
         return {
             "classification": self.classification.to_json(),
+            "item_name": self.item_name,
             "situation_tags": self.situation_tags,
         }
 
@@ -87,17 +89,19 @@ class VisionStage:
 
     async def run(self, scan: ScanInput, *, deadline: float) -> VisionResult:
         result = await self._upstream.complete(self.build_call(scan), deadline=deadline)
-        classification, tags = self.parse(result.text)
-        return VisionResult(classification, tags, result)
+        classification, item, tags = self.parse(result.text)
+        return VisionResult(classification, item, tags, result)
 
-    def parse(self, text: str) -> tuple[Classification, list[str]]:
+    def parse(self, text: str) -> tuple[Classification, str, list[str]]:
         try:
             reply = json.loads(text)
             path = reply["category"]
+            item = reply.get("item")
             raw_tags = reply.get("situation_tags") or []
         except (ValueError, KeyError, TypeError, AttributeError):
             raise UpstreamBadResponse("The classification reply was not the expected JSON.") from None
-        classification = self._taxonomy.classify_path(path) if isinstance(path, str) else None
+        item = " ".join(item.split())[:MAX_ITEM_CHARS] if isinstance(item, str) else ""
+        classification = self._taxonomy.classify(path, item) if isinstance(path, str) else None
         if classification is None:
             raise UpstreamBadResponse("The classification named a category outside the taxonomy.")
         known = set(self._taxonomy.tag_names)
@@ -105,4 +109,4 @@ class VisionStage:
         for tag in raw_tags if isinstance(raw_tags, list) else []:
             if isinstance(tag, str) and tag in known and tag not in tags:
                 tags.append(tag)
-        return classification, tags[:MAX_TAGS]
+        return classification, item, tags[:MAX_TAGS]
