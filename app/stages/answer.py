@@ -28,7 +28,7 @@ from typing import Any
 import jiter
 
 from app.errors import UpstreamBadResponse
-from app.limits.tokens import estimate_chat_tokens
+from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
 from app.stages.rule import RuleMatch
 from app.stages.vision import VisionResult
 from app.upstream import ChatCall, ChatResult, Upstream
@@ -134,6 +134,8 @@ class AnswerStage:
             "type": "json_schema",
             "json_schema": {"name": "disposal_answer", "strict": True, "schema": ANSWER_SCHEMA},
         }
+        # The schema is part of the prompt OpenAI counts; constant, so priced once.
+        self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
 
     def build_call(self, vision: VisionResult, rule: RuleMatch, user_input: str | None) -> ChatCall:
         c = vision.classification
@@ -155,7 +157,7 @@ class AnswerStage:
             model=self._model,
             messages=messages,
             max_tokens=self._max_tokens,
-            prompt_estimate=estimate_chat_tokens(messages),
+            prompt_estimate=estimate_chat_tokens(messages) + self._schema_tokens,
             response_format=self._response_format,
         )
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.errors import UpstreamBadResponse
-from app.limits.tokens import estimate_chat_tokens
+from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
 from app.scan_input import ScanInput
 from app.taxonomy import Classification, Taxonomy
 from app.upstream import ChatCall, ChatResult, Upstream
@@ -59,6 +59,8 @@ class VisionStage:
                 "schema": taxonomy.vision_schema(),
             },
         }
+        # The schema is part of the prompt OpenAI counts; constant, so priced once.
+        self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
 
     def build_call(self, scan: ScanInput) -> ChatCall:
         text = "이 물건을 분류해 주세요."
@@ -83,7 +85,7 @@ class VisionStage:
             model=self._model,
             messages=messages,
             max_tokens=self._max_tokens,
-            prompt_estimate=estimate_chat_tokens(messages, image_sizes=sizes),
+            prompt_estimate=estimate_chat_tokens(messages, image_sizes=sizes) + self._schema_tokens,
             response_format=self._response_format,
         )
 
