@@ -43,6 +43,7 @@ from app.stages.vision import VisionStage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+UPSTREAM_STAGES = frozenset({"vision", "answer"})
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,8 @@ class ScanPipeline:
         ) -> T:
             state.step = name
             emit(events.make("stage", name, start_pct, status="started"))
+            if name in UPSTREAM_STAGES:
+                scan.ticket.call_started()
             began = time.perf_counter()
             deadline = min(scan_deadline, self._clock.now() + timeout_s)
             outcome = "failed"

@@ -136,7 +136,10 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             per_user=settings.max_inflight_per_user,
             wait_s=settings.admission_wait_s,
             max_budget_wait_s=settings.max_budget_wait_s,
-            predicted_budget_wait=lambda: vision_budget.predicted_wait(_TYPICAL_VISION_TOKENS),
+            # Calls queued at the stage gates have not reached the budget queue yet.
+            predicted_budget_wait=lambda owed: vision_budget.predicted_wait(
+                _TYPICAL_VISION_TOKENS, ahead=owed + sum(g.waiting for g in gates.values())
+            ),
         )
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
         cpu.observers.append(metrics.observe_cpu_job)

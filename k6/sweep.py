@@ -208,11 +208,24 @@ def number(text: str) -> int | float:
     return int(value) if value.is_integer() else value
 
 
+def known_settings() -> set[str]:
+    """Env var names of the service's Settings fields (read from app/settings.py)."""
+    try:
+        text = (REPO / "app" / "settings.py").read_text()
+    except OSError:
+        return set()
+    return {name.upper() for name in re.findall(r"^    ([a-z_0-9]+): [^=]+=", text, re.MULTILINE)}
+
+
 def build_grid(args: argparse.Namespace) -> list[Point]:
     axes: list[tuple[str, list[str]]] = [
         (env, getattr(args, dest)) for dest, env in AXIS_FLAGS.items() if getattr(args, dest)
     ]
     axes += [(key.upper(), values) for key, values in args.sets]
+    known = known_settings()
+    for name, _ in axes:
+        if known and name not in known:
+            print(f"warning: {name} is not a field of app/settings.py; the service will ignore it")
     levels = args.rates if args.scenario == "arrival" else args.vus
     if not levels:
         raise SystemExit("give load levels: --rates for the arrival scenario, --vus otherwise")
@@ -632,7 +645,8 @@ def run_k6(
     extra: tuple[str, ...] = (),
     sampler: Sampler | None = None,
 ) -> int:
-    argv = [k6, "run", "--quiet", "--no-color", *extra, str(HERE / script)]
+    # --address "": no REST API server on :6565, so parallel k6 runs do not collide.
+    argv = [k6, "run", "--quiet", "--no-color", "--address", "", *extra, str(HERE / script)]
     proc = start("k6", argv, env, log_path)
     if sampler is not None:
         sampler.add("k6", proc.popen.pid)
@@ -656,12 +670,15 @@ class Context:
 
 
 def warm_up(ctx: Context, point: Point, base_url: str, stem: str) -> None:
+    """A few seconds of light load first: the first scans pay one-off costs (imports,
+    connection pools, caches) that would otherwise land in the measured run."""
     if ctx.args.warmup <= 0:
         return
-    level = 1 if dict(point.fixed)["scenario"] == "arrival" else 2
-    script = SCRIPTS["arrival" if dict(point.fixed)["scenario"] == "arrival" else "closed"]
-    env = k6_env(point, base_url, level, f"{ctx.args.warmup:g}s", None)
-    env.update({"VUS": str(level), "RATE": str(level)})
+    arrival = dict(point.fixed)["scenario"] == "arrival"
+    level, duration = (1 if arrival else 2), f"{ctx.args.warmup:g}s"
+    env = k6_env(point, base_url, level, duration, None)
+    env.update({"VUS": str(level), "RATE": str(level), "DURATION": duration})
+    script = SCRIPTS["arrival" if arrival else "closed"]
     log = ctx.logs / f"{stem}.warmup.log"
     run_k6(ctx.k6, script, env, log, ctx.args.warmup + 60, extra=("--no-thresholds",))
 

@@ -582,6 +582,13 @@ async def test_predicted_wait_includes_queued_demands(
     assert admitted(log)[-1] == ("c", round(predicted, 6))
 
 
+async def test_predicted_wait_counts_requests_expected_ahead(budget: RateBudget) -> None:
+    await drain_tokens(budget)
+    alone = budget.predicted_wait(500)
+    # Three more 500-token calls owed by admitted scans will be served first.
+    assert budget.predicted_wait(500, ahead=3) == pytest.approx(alone + 3 * 0.5)
+
+
 async def test_predicted_wait_during_pause(budget: RateBudget) -> None:
     budget.pause(4)
     assert budget.predicted_wait(100) == pytest.approx(4.0)

@@ -5,7 +5,11 @@ Three checks, cheapest first:
    keyed by client address) -> 429 `USER_CONCURRENCY_LIMIT`;
 2. the upstream budget: if a new scan's first call would wait longer than
    `max_budget_wait_s` for the RPM/TPM budget, queueing it is pointless -> 503
-   `UPSTREAM_BUDGET_EXHAUSTED` with the predicted wait as Retry-After;
+   `UPSTREAM_BUDGET_EXHAUSTED`, Retry-After = when the wait would be acceptable again.
+   The prediction counts not only the calls queued at the budget but every call that
+   admitted scans still owe (`owed_calls`): a scan admitted a moment ago has not
+   queued its vision call yet, and its answer call comes seconds later. Without
+   that, a burst is admitted against an empty-looking queue and then times out;
 3. the global cap: at most `max_inflight` scans; a newcomer may wait up to
    `wait_s` for a slot (smooths bursts), then 503 `SERVER_BUSY`.
 
@@ -22,18 +26,29 @@ from collections.abc import Callable
 
 from app.errors import ServerBusy, UpstreamBudgetExhausted, UserOverLimit
 
+CALLS_PER_SCAN = 2  # vision + answer
+
 
 class Ticket:
-    __slots__ = ("_admission", "_released", "user_key")
+    __slots__ = ("_admission", "_released", "owed", "user_key")
 
     def __init__(self, admission: Admission, user_key: str) -> None:
         self._admission = admission
         self.user_key = user_key
+        self.owed = CALLS_PER_SCAN
         self._released = False
+
+    def call_started(self) -> None:
+        """The scan is about to make one of the upstream calls it owes."""
+        if self.owed > 0 and not self._released:
+            self.owed -= 1
+            self._admission.owed_calls -= 1
 
     def release(self) -> None:
         if not self._released:
             self._released = True
+            self._admission.owed_calls -= self.owed
+            self.owed = 0
             self._admission._release(self.user_key)
 
 
@@ -45,7 +60,7 @@ class Admission:
         per_user: int,
         wait_s: float,
         max_budget_wait_s: float,
-        predicted_budget_wait: Callable[[], float],
+        predicted_budget_wait: Callable[[int], float],
     ) -> None:
         self.max_inflight = max_inflight
         self.per_user = per_user
@@ -53,6 +68,7 @@ class Admission:
         self.max_budget_wait_s = max_budget_wait_s
         self._predicted_budget_wait = predicted_budget_wait
         self.in_flight = 0
+        self.owed_calls = 0  # upstream calls admitted scans will still make
         self.per_user_in_flight: dict[str, int] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         # Exponentially weighted mean scan duration: sizes Retry-After for SERVER_BUSY.
@@ -61,9 +77,9 @@ class Admission:
     async def admit(self, user_key: str) -> Ticket:
         if self.per_user_in_flight.get(user_key, 0) >= self.per_user:
             raise UserOverLimit(retry_after_s=self._retry_after_busy())
-        budget_wait = self._predicted_budget_wait()
+        budget_wait = self._predicted_budget_wait(self.owed_calls)
         if budget_wait > self.max_budget_wait_s:
-            raise UpstreamBudgetExhausted(retry_after_s=budget_wait)
+            raise UpstreamBudgetExhausted(retry_after_s=max(1.0, budget_wait - self.max_budget_wait_s))
         if self.in_flight < self.max_inflight and not self._waiters:
             self.in_flight += 1
         else:
@@ -73,6 +89,7 @@ class Admission:
             self._release_slot()
             raise UserOverLimit(retry_after_s=self._retry_after_busy())
         self.per_user_in_flight[user_key] = self.per_user_in_flight.get(user_key, 0) + 1
+        self.owed_calls += CALLS_PER_SCAN
         return Ticket(self, user_key)
 
     async def _wait_for_slot(self) -> None:
@@ -121,4 +138,4 @@ class Admission:
         # Little's law: with N scans in flight finishing every mean_scan_s, a slot frees
         # about every mean_scan_s / N seconds; the budget may push that further out.
         per_slot = self.mean_scan_s / max(1, self.in_flight)
-        return max(1.0, math.ceil(max(per_slot, self._predicted_budget_wait())))
+        return max(1.0, math.ceil(max(per_slot, self._predicted_budget_wait(self.owed_calls))))

@@ -221,14 +221,18 @@ class RateBudget:
             self._leave(waiter)
             raise
 
-    def predicted_wait(self, tokens: int) -> float:
-        """Seconds until a new `tokens` request joining the queue now would be admitted."""
+    def predicted_wait(self, tokens: int, *, ahead: int = 0) -> float:
+        """Seconds until a new `tokens` request joining the queue now would be admitted.
+
+        `ahead` counts requests not queued yet that will be served first (admission
+        control passes the calls that already-admitted scans still owe), each assumed
+        to be of size `tokens`."""
         now = self._refill()
         t = max(now, self._paused_until)
         req = min(self._cap_req, self._req + self._rate_req * (t - now))
         tok = min(self._cap_tok, self._tok + self._rate_tok * (t - now))
         # Simulate the queue ahead in order; each demand is admitted once both buckets fit.
-        for demand in [*(w.tokens for w in self._queue), tokens]:
+        for demand in [*(w.tokens for w in self._queue), *([tokens] * ahead), tokens]:
             dt = self._fit_time(req, tok, demand)
             t += dt
             req = min(self._cap_req, req + self._rate_req * dt) - 1.0

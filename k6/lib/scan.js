@@ -101,14 +101,21 @@ if (__VU === 0) {
 const vuIndex = __VU > 0 ? __VU - 1 : 0;
 const image = imageList[vuIndex % imageList.length];
 const userInput = USER_INPUTS[vuIndex % USER_INPUTS.length];
-const imageBytes = __VU === 0 ? null : open(`${IMAGES_DIR}/${image.file}`, 'b');
-const jsonBody =
-  FORM === 'multipart' || imageBytes === null
-    ? null
-    : JSON.stringify({
-        image_url: `data:image/jpeg;base64,${encoding.b64encode(imageBytes)}`,
-        user_input: userInput,
-      });
+// Keep only what this run's FORM needs: the raw bytes for multipart, the JSON body
+// (with the base64 data URL inside) for json; both for mixed.
+function buildPayloads() {
+  if (__VU === 0) return { bytes: null, json: null };
+  const bytes = open(`${IMAGES_DIR}/${image.file}`, 'b');
+  const json =
+    FORM === 'multipart'
+      ? null
+      : JSON.stringify({
+          image_url: `data:image/jpeg;base64,${encoding.b64encode(bytes)}`,
+          user_input: userInput,
+        });
+  return { bytes: FORM === 'json' ? null : bytes, json };
+}
+const payloads = buildPayloads();
 
 function envNumber(name, fallback) {
   const raw = __ENV[name];
@@ -164,10 +171,10 @@ function send(form) {
   };
   if (form === 'json') {
     params.headers['Content-Type'] = 'application/json';
-    return http.post(SCAN_URL, jsonBody, params);
+    return http.post(SCAN_URL, payloads.json, params);
   }
   const payload = {
-    image: http.file(imageBytes, image.file, 'image/jpeg'),
+    image: http.file(payloads.bytes, image.file, 'image/jpeg'),
     user_input: userInput,
   };
   return http.post(SCAN_URL, payload, params);

@@ -158,8 +158,7 @@ export function textSummary(data) {
   const metrics = data.metrics || {};
   const seconds = ((data.state && data.state.testRunDurationMs) || 0) / 1000;
   const s = data.ecoscan ? data.ecoscan.settings : {};
-  const shown = Object.keys(s)
-    .filter((k) => k !== 'BASE_URL')
+  const shown = ENV_KEYS.filter((k) => k !== 'BASE_URL' && s[k] !== undefined)
     .map((k) => `${k}=${s[k]}`)
     .join(' ');
   const lines = ['', `  ecoscan k6 summary: ${seconds.toFixed(1)}s against ${s.BASE_URL || '(default)'}`];
