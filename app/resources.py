@@ -103,6 +103,9 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             ),
         )
         stack.push_async_callback(client.close)
+        # The SDK imports its resource modules on first attribute access: ~0.5 s of
+        # imports that would otherwise stall the event loop inside the first scan.
+        _ = client.chat.completions.with_raw_response
 
         budgets = {
             model: RateBudget(
