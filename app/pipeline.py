@@ -102,6 +102,7 @@ class ScanPipeline:
         self._clock = clock
         self._on_finished = on_finished
         self.running: set[asyncio.Task[None]] = set()
+        self._shutting_down = False
 
     def start(self, scan: AcceptedScan) -> ScanRun:
         run = ScanRun(scan)
@@ -112,6 +113,7 @@ class ScanPipeline:
 
     async def cancel_all(self) -> None:
         """Shutdown: cancel every scan and wait for their terminal rows."""
+        self._shutting_down = True
         tasks = list(self.running)
         for task in tasks:
             task.cancel()
@@ -138,7 +140,12 @@ class ScanPipeline:
             outcome = "cancelled"
             self._metrics.scans.labels("cancelled", "").inc()
             await self._record_end(
-                scan, "cancelled", state, ("client", "CLIENT_DISCONNECTED", "The client went away.")
+                scan,
+                "cancelled",
+                state,
+                ("server", "SERVER_SHUTDOWN", "The server shut down.")
+                if self._shutting_down
+                else ("client", "CLIENT_DISCONNECTED", "The client went away."),
             )
             raise
         except Exception as exc:

@@ -8,7 +8,8 @@ polls the simulator's stats every 5 s, and reports per-window throughput from th
 `scans` table, 429s seen by the simulator, and how every admitted scan ended.
 
     python k6/budget_bench.py --vus 200 --duration 240s --warmup 60             # Tier 1
-    python k6/budget_bench.py --vus 200 --duration 240s --warmup 60 --sim-rpm 300  # shared key
+    python k6/budget_bench.py --vus 200 --duration 240s --warmup 60 --sim-rpm 300  # lower tier
+    python k6/budget_bench.py --vus 200 --duration 240s --warmup 60 --sim-shared-rpm 200  # shared key
 
 Needs the machine's PostgreSQL (--database-url, default 127.0.0.1:5432); a fresh
 database is created for each run.
@@ -67,6 +68,9 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=60.0, help="seconds excluded from the steady-state rate")
     p.add_argument("--sim-rpm", type=int, default=500)
     p.add_argument("--sim-tpm", type=int, default=500_000)
+    p.add_argument(
+        "--sim-shared-rpm", type=int, default=0, help="another user of the key takes this many requests/min"
+    )
     p.add_argument("--service-rpm", type=int, default=500)
     p.add_argument("--service-tpm", type=int, default=500_000)
     p.add_argument("--image-set", default="small")
@@ -86,6 +90,7 @@ def main() -> int:
     try:
         sim_cmd = [str(BIN / "python"), "-m", "app.sim", "--port", str(sim_port)]
         sim_cmd += ["--rpm", str(args.sim_rpm), "--tpm", str(args.sim_tpm)]
+        sim_cmd += ["--shared-rpm", str(args.sim_shared_rpm)]
         procs.append(
             subprocess.Popen(sim_cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         )
@@ -175,12 +180,12 @@ def report(args: argparse.Namespace, dsn: str, t0: float, t1: float, timeline: l
         "SELECT floor(extract(epoch FROM finished_at - to_timestamp("
         f"{t0})) / 30)::int AS w, count(*) FROM scans WHERE status = 'completed' GROUP BY 1 ORDER BY 1",
     )
-    bound = min(args.sim_rpm, args.service_rpm) / 60 / 2
+    bound = min(args.sim_rpm - args.sim_shared_rpm, args.service_rpm) / 60 / 2
     rate = completed / window
     last = timeline[-1] if timeline else {}
     lines = [
         f"vus={args.vus} duration={args.duration} warmup={args.warmup}s sim_rpm={args.sim_rpm} "
-        f"sim_tpm={args.sim_tpm} service_rpm={args.service_rpm}",
+        f"sim_tpm={args.sim_tpm} sim_shared_rpm={args.sim_shared_rpm} service_rpm={args.service_rpm}",
         f"steady state: {completed} completed in {window:.0f}s = {rate:.3f} scans/s "
         f"= {100 * rate / bound:.1f}% of the {bound:.3f} scans/s bound",
         f"simulator: requests {last.get('requests_total')}, 429s {last.get('rate_limited_total')}, "

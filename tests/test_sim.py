@@ -19,7 +19,7 @@ from PIL import Image
 from app.sim.__main__ import build_parser, config_from_args
 from app.sim.config import SimConfig
 from app.sim.latency import plan_stream
-from app.sim.ratelimit import format_duration
+from app.sim.ratelimit import RateLimiter, format_duration
 from app.sim.server import RunningSimulator, run_simulator
 from app.sim.tokens import image_tokens, split_tokens, tile_count
 
@@ -492,3 +492,18 @@ def test_format_duration_and_stream_plan() -> None:
     assert plan.first_delay == 1.0 and plan.batch == 1 and plan.gap == pytest.approx(0.05)
     fast = plan_stream(0.004, 0.15, 61)
     assert fast.batch > 1 and fast.gap >= 0.002
+
+
+def test_shared_key_usage_shrinks_the_budget_but_not_the_reported_limit() -> None:
+    now = [0.0]
+    limiter = RateLimiter(60, 0, lambda: now[0], shared_rpm=30)
+    for _ in range(60):
+        denial, _headers = limiter.acquire("m", 1)
+        assert denial is None
+    denial, headers = limiter.acquire("m", 1)
+    assert denial is not None
+    # Our net refill is 60 - 30 = 30 requests/min: one request every 2 s.
+    assert denial.retry_after_s == pytest.approx(2.0)
+    assert (b"x-ratelimit-limit-requests", b"60") in headers
+    now[0] = 2.0
+    assert limiter.acquire("m", 1)[0] is None

@@ -27,6 +27,10 @@ class SimConfig:
     first_token_fraction: float = 0.15
     rpm: int = 500
     tpm: int = 500_000
+    # Another user of the same key, consuming steadily: the headers still report the
+    # full limit, but the remaining budget shrinks (what "a shared key" looks like).
+    shared_rpm: int = 0
+    shared_tpm: int = 0
     text_tokens: int = 60
     error_rate: float = 0.0
     error_status: int = 500
@@ -52,6 +56,8 @@ class SimConfig:
         _fraction("first_token_fraction", self.first_token_fraction)
         _at_least("rpm", self.rpm, 0)
         _at_least("tpm", self.tpm, 0)
+        _at_least("shared_rpm", self.shared_rpm, 0)
+        _at_least("shared_tpm", self.shared_tpm, 0)
         _at_least("text_tokens", self.text_tokens, 1)
         _fraction("error_rate", self.error_rate)
         if not 500 <= self.error_status <= 599:

@@ -30,29 +30,39 @@ def format_duration(seconds: float) -> str:
     return out + f"{round(secs, 3):g}s"
 
 
+# A bucket that another consumer drains faster than it refills never recovers; the
+# retry-after we then report is capped like OpenAI's reset horizon.
+_MAX_WAIT_S = 60.0
+
+
 class TokenBucket:
-    """Capacity ``limit``, refilled continuously at ``limit / 60`` per second (OpenAI's model)."""
+    """Capacity ``limit``, refilled continuously at ``limit / 60`` per second (OpenAI's model).
+
+    ``shared`` (per minute) is drained steadily by another user of the same key."""
 
     __slots__ = ("level", "limit", "rate", "stamp")
 
-    def __init__(self, limit: int, now: float) -> None:
+    def __init__(self, limit: int, now: float, shared: int = 0) -> None:
         self.limit = limit
-        self.rate = limit / 60.0
+        self.rate = (limit - shared) / 60.0  # net refill left for us
         self.level = float(limit)
         self.stamp = now
 
     def refill(self, now: float) -> None:
         if now > self.stamp:
-            self.level = min(float(self.limit), self.level + (now - self.stamp) * self.rate)
+            level = self.level + (now - self.stamp) * self.rate
+            self.level = max(0.0, min(float(self.limit), level))
             self.stamp = now
 
     def wait_for(self, amount: float) -> float:
         """Seconds until ``amount`` is available (call ``refill`` first)."""
         missing = amount - self.level
-        return 0.0 if missing <= 0 else missing / self.rate
+        if missing <= 0:
+            return 0.0
+        return missing / self.rate if self.rate > 0 else _MAX_WAIT_S
 
     def time_to_full(self) -> float:
-        return (self.limit - self.level) / self.rate
+        return (self.limit - self.level) / self.rate if self.rate > 0 else _MAX_WAIT_S
 
     def headers(self, name: str) -> list[Header]:
         return [
@@ -74,9 +84,9 @@ class Denial:
 class _ModelBuckets:
     __slots__ = ("requests", "tokens")
 
-    def __init__(self, rpm: int, tpm: int, now: float) -> None:
-        self.requests = TokenBucket(rpm, now) if rpm > 0 else None
-        self.tokens = TokenBucket(tpm, now) if tpm > 0 else None
+    def __init__(self, rpm: int, tpm: int, now: float, shared_rpm: int, shared_tpm: int) -> None:
+        self.requests = TokenBucket(rpm, now, shared_rpm) if rpm > 0 else None
+        self.tokens = TokenBucket(tpm, now, shared_tpm) if tpm > 0 else None
 
     def headers(self) -> list[Header]:
         out: list[Header] = []
@@ -90,9 +100,19 @@ class _ModelBuckets:
 class RateLimiter:
     """OpenAI-style limits per model. ``rpm``/``tpm`` of 0 mean unlimited."""
 
-    def __init__(self, rpm: int, tpm: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rpm: int,
+        tpm: int,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        shared_rpm: int = 0,
+        shared_tpm: int = 0,
+    ) -> None:
         self.rpm = rpm
         self.tpm = tpm
+        self.shared_rpm = shared_rpm
+        self.shared_tpm = shared_tpm
         self._clock = clock
         self._models: dict[str, _ModelBuckets] = {}
 
@@ -100,7 +120,9 @@ class RateLimiter:
         buckets = self._models.get(model)
         now = self._clock()
         if buckets is None:
-            buckets = self._models[model] = _ModelBuckets(self.rpm, self.tpm, now)
+            buckets = self._models[model] = _ModelBuckets(
+                self.rpm, self.tpm, now, self.shared_rpm, self.shared_tpm
+            )
         else:
             for bucket in (buckets.requests, buckets.tokens):
                 if bucket is not None:

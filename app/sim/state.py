@@ -12,6 +12,16 @@ from app.sim.latency import sample_latency
 from app.sim.ratelimit import RateLimiter
 from app.sim.stats import SimStats
 
+_LIMIT_FIELDS = {"rpm", "tpm", "shared_rpm", "shared_tpm"}
+
+
+def _limits(config: SimConfig) -> tuple[int, int, int, int]:
+    return config.rpm, config.tpm, config.shared_rpm, config.shared_tpm
+
+
+def _limiter(config: SimConfig) -> RateLimiter:
+    return RateLimiter(config.rpm, config.tpm, shared_rpm=config.shared_rpm, shared_tpm=config.shared_tpm)
+
 
 class SimState:
     """Shared by all requests of one simulator; reconfigurable while it runs."""
@@ -19,7 +29,7 @@ class SimState:
     def __init__(self, config: SimConfig) -> None:
         self._config = config
         self.stats = SimStats()
-        self.limiter = RateLimiter(config.rpm, config.tpm)
+        self.limiter = _limiter(config)
         self.rng = random.Random(config.seed)
         # Set on shutdown so injected stalls end instead of holding the server open.
         self.closing = asyncio.Event()
@@ -32,8 +42,8 @@ class SimState:
     def config(self, config: SimConfig) -> None:
         old = self._config
         self._config = config
-        if (config.rpm, config.tpm) != (old.rpm, old.tpm):
-            self.limiter = RateLimiter(config.rpm, config.tpm)
+        if _limits(config) != _limits(old):
+            self.limiter = _limiter(config)
         if config.seed != old.seed:
             self.rng = random.Random(config.seed)
 
@@ -45,8 +55,8 @@ class SimState:
         """
         config = self._config.updated(changes)
         self.config = config
-        if "rpm" in changes or "tpm" in changes:
-            self.limiter = RateLimiter(config.rpm, config.tpm)
+        if _LIMIT_FIELDS & set(changes):
+            self.limiter = _limiter(config)
         if "seed" in changes:
             self.rng = random.Random(config.seed)
         return config
