@@ -163,6 +163,12 @@ class Metrics:
         self.budget_available = Gauge(
             "ecoscan_budget_available", "Budget available now.", ["model", "resource"], registry=r
         )
+        self.budget_limit = Gauge(
+            "ecoscan_budget_effective_limit_per_minute",
+            "Limit the budget enforces now: min(configured, reported, learned from headers).",
+            ["model", "resource"],
+            registry=r,
+        )
         self.budget_waiters = Gauge(
             "ecoscan_budget_waiters", "Calls queued for the budget.", ["model"], registry=r
         )

@@ -253,6 +253,8 @@ def _bind_gauges(
         metrics.budget_available.labels(model, "requests").set_function(_reader(budget, "available_requests"))
         metrics.budget_available.labels(model, "tokens").set_function(_reader(budget, "available_tokens"))
         metrics.budget_waiters.labels(model).set_function(_reader(budget, "waiting"))
+        metrics.budget_limit.labels(model, "requests").set_function(_reader(budget, "effective_rpm"))
+        metrics.budget_limit.labels(model, "tokens").set_function(_reader(budget, "effective_tpm"))
     for stage, gate in gates.items():
         metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
     metrics.cpu_queue_depth.set_function(lambda: cpu.waiting)

@@ -353,6 +353,48 @@ async def test_headers_are_recorded_including_reset_durations(budget: RateBudget
     assert snap.reset_tokens == 90.5
 
 
+def shared_key_headers(remaining: int, reset: str) -> dict[str, str]:
+    return {
+        "x-ratelimit-limit-requests": str(RPM),
+        "x-ratelimit-remaining-requests": str(remaining),
+        "x-ratelimit-reset-requests": reset,
+    }
+
+
+async def test_net_refill_rate_is_learned_from_a_drained_shared_key(budget: RateBudget) -> None:
+    # The upstream reports the full 600 RPM, but refills 300 missing requests in 60 s:
+    # someone else uses half the key. The budget converges to 300 RPM.
+    for _ in range(30):
+        budget.observe_headers(shared_key_headers(300, "1m0s"))
+    assert budget.effective_rpm == pytest.approx(300, abs=2)
+
+
+async def test_learned_rate_never_exceeds_the_configured_limit(budget: RateBudget) -> None:
+    for _ in range(10):
+        budget.observe_headers(shared_key_headers(0, "1s"))  # implies 36,000 RPM
+    assert budget.effective_rpm == RPM
+
+
+async def test_learned_rate_is_forgotten_when_the_upstream_is_full_again(budget: RateBudget) -> None:
+    for _ in range(10):
+        budget.observe_headers(shared_key_headers(300, "1m0s"))
+    assert budget.effective_rpm < RPM
+    budget.observe_headers(shared_key_headers(RPM - 1, "100ms"))
+    assert budget.effective_rpm == RPM
+
+
+async def test_reset_of_a_tiny_deficit_is_not_evidence(budget: RateBudget) -> None:
+    # OpenAI's documented example: 16 tokens missing of 150,000, reset "6m0s".
+    budget.observe_headers(
+        {
+            "x-ratelimit-limit-tokens": "150000",
+            "x-ratelimit-remaining-tokens": "149984",
+            "x-ratelimit-reset-tokens": "6m0s",
+        }
+    )
+    assert budget.effective_tpm == TPM
+
+
 async def test_header_correction_wakes_head_to_wait_longer(
     budget: RateBudget, clock: FakeClock, spawn: Spawn, log: Log
 ) -> None:

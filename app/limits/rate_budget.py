@@ -9,10 +9,16 @@ Design decisions:
 - `pause(seconds)` only blocks admission (it never shortens an existing pause). The buckets keep
   refilling while paused; they are capped at `burst_fraction` of a minute, so the burst after
   a pause is bounded. The FIFO queue keeps its order.
-- The `x-ratelimit-reset-*` headers are parsed into `last_upstream` for logs and metrics but
-  never drive admission: continuous refill from the lowered `remaining` already models
-  recovery, and OpenAI's reset values are not consistent with limit/60 refill (its own
-  documented example shows `6m0s` for a 16-token deficit), so trusting them would over-throttle.
+- Learning the real refill rate: when the key is shared, the upstream still reports the full
+  `x-ratelimit-limit-*`, but its bucket refills for us only at (limit - others' use). Lowering
+  `remaining` alone then corrects the level on every response while our refill keeps running
+  ahead, which becomes a steady trickle of 429s once the upstream's minute-deep bucket is
+  drained. So the net refill rate is estimated from the headers, `(limit - remaining) /
+  reset`, smoothed, and adopted while it is below the configured and reported limits. Only
+  a substantial deficit (>= 10% of the limit) counts as evidence: a nearly full upstream
+  bucket says nothing about its refill rate, and OpenAI's reset values for tiny deficits are
+  unreliable (its own documented example shows `6m0s` for a 16-token deficit). With no
+  evidence the learned rate is dropped, so the budget recovers when the other user stops.
 """
 
 from __future__ import annotations
@@ -169,6 +175,8 @@ class RateBudget:
         self.name = name
         self._obs_rpm: int | None = None
         self._obs_tpm: int | None = None
+        self._learned_rpm: float | None = None  # net refill per minute learned from headers
+        self._learned_tpm: float | None = None
         self._req = self._tok = math.inf
         self._apply_limits()  # clamps the buckets to capacity: they start full
         self._last = self._clock.now()
@@ -265,6 +273,12 @@ class RateBudget:
             self._obs_rpm = snap.limit_requests
         if snap.limit_tokens:
             self._obs_tpm = snap.limit_tokens
+        self._learned_rpm = _learn_rate(
+            self._learned_rpm, snap.limit_requests, snap.remaining_requests, snap.reset_requests
+        )
+        self._learned_tpm = _learn_rate(
+            self._learned_tpm, snap.limit_tokens, snap.remaining_tokens, snap.reset_tokens
+        )
         self._apply_limits()
         # The key is shared with callers we cannot see: adopt a lower remaining, never a higher.
         if snap.remaining_requests is not None:
@@ -331,7 +345,12 @@ class RateBudget:
 
     def _effective(self) -> tuple[int, int]:
         rpm = min(self._cfg_rpm, self._obs_rpm or self._cfg_rpm)
-        return rpm, min(self._cfg_tpm, self._obs_tpm or self._cfg_tpm)
+        tpm = min(self._cfg_tpm, self._obs_tpm or self._cfg_tpm)
+        if self._learned_rpm is not None:
+            rpm = max(1, min(rpm, int(self._learned_rpm)))
+        if self._learned_tpm is not None:
+            tpm = max(1, min(tpm, int(self._learned_tpm)))
+        return rpm, tpm
 
     def _apply_limits(self) -> None:
         """Derive rates and capacities from the effective limits; clamp buckets to capacity."""
@@ -404,6 +423,25 @@ class RateBudget:
             await asyncio.wait((wake, sleeper), return_when=asyncio.FIRST_COMPLETED)
         finally:
             sleeper.cancel()
+
+
+_LEARN_MIN_DEFICIT = 0.10  # share of the limit missing upstream before reset says anything
+_LEARN_WEIGHT = 0.2  # EWMA weight of a new observation
+
+
+def _learn_rate(
+    previous: float | None, limit: int | None, remaining: int | None, reset_s: float | None
+) -> float | None:
+    """Smoothed net refill per minute implied by one response's headers (see module doc)."""
+    if limit is None or remaining is None or reset_s is None:
+        return previous
+    deficit = limit - remaining
+    if deficit < _LEARN_MIN_DEFICIT * limit:
+        return None  # nearly full upstream: no evidence of a constraint
+    if reset_s <= 0:
+        return previous
+    per_minute = deficit / reset_s * 60.0
+    return per_minute if previous is None else previous + _LEARN_WEIGHT * (per_minute - previous)
 
 
 def _parse_duration_header(value: object) -> float | None:
