@@ -9,6 +9,7 @@ under the size cap), so no spooled temp files and no second thread pool.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,6 +45,9 @@ class ScanInput:
     image_url: str  # what the vision call sends: our prepared data URL, or the https URL
     user_input: str | None
     image: PreparedImage | None = None  # None for https URLs, passed through as is
+
+    def without_image(self) -> ScanInput:
+        return dataclasses.replace(self, image_url="", image=None)
 
 
 def request_kind(content_type: str) -> Literal["json", "multipart"]:
