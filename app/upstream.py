@@ -13,9 +13,10 @@ The SDK runs with `max_retries=0`: its retries would bypass the budget.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +182,7 @@ class Upstream:
         }
         if call.response_format is not None:
             kwargs["response_format"] = call.response_format
+        usage: tuple[int, int] | None
         try:
             if on_text is None:
                 raw = await self._client.chat.completions.with_raw_response.create(**kwargs)
@@ -189,32 +191,19 @@ class Upstream:
                 choice = completion.choices[0] if completion.choices else None
                 result.text = (choice.message.content or "") if choice else ""
                 result.finish_reason = choice.finish_reason if choice else None
-                usage = completion.usage
+                u = completion.usage
+                usage = (u.prompt_tokens, u.completion_tokens) if u is not None else None
             else:
-                raw = await self._client.chat.completions.with_raw_response.create(
+                # The SDK builds the request, authenticates and maps HTTP errors; the chunks
+                # are read as plain JSON. The SDK's per-chunk pydantic construction cost
+                # ~0.3 ms of event-loop time per chunk, about 30% of the loop under load.
+                async with self._client.chat.completions.with_streaming_response.create(
                     **kwargs, stream=True, stream_options={"include_usage": True}
-                )
-                self._observe(call, budget, raw.headers, "2xx")
-                stream = raw.parse()
-                text: list[str] = []
-                usage = None
-                try:
-                    async for chunk in stream:
-                        if chunk.usage is not None:
-                            usage = chunk.usage
-                        if not chunk.choices:
-                            continue
-                        choice = chunk.choices[0]
-                        if choice.finish_reason is not None:
-                            result.finish_reason = choice.finish_reason
-                        if choice.delta.content:
-                            text.append(choice.delta.content)
-                            result.text = "".join(text)
-                            await on_text(result.text)
-                finally:
-                    # On cancellation (client gone) this closes the HTTP stream, which is
-                    # how the upstream learns to stop generating.
-                    await stream.close()
+                ) as response:
+                    self._observe(call, budget, response.headers, "2xx")
+                    # Leaving this block, normally or by cancellation (client gone), closes
+                    # the HTTP stream: that is how the upstream learns to stop generating.
+                    usage = await _read_chunks(response.iter_lines(), result, on_text)
         except openai.APIStatusError as exc:
             raise self._status_failure(call, budget, reservation, exc) from None
         except (openai.APITimeoutError, httpx.TimeoutException) as exc:
@@ -226,11 +215,10 @@ class Upstream:
                 reservation.settle(None)  # most likely never reached the upstream
             raise _Failed(UpstreamError(), retry=True, reason="connection") from exc
         if usage is not None:
-            result.prompt_tokens = usage.prompt_tokens
-            result.completion_tokens = usage.completion_tokens
-            reservation.settle(usage.prompt_tokens + usage.completion_tokens)
-            self._metrics.upstream_tokens.labels(call.model, "prompt").inc(usage.prompt_tokens)
-            self._metrics.upstream_tokens.labels(call.model, "completion").inc(usage.completion_tokens)
+            result.prompt_tokens, result.completion_tokens = usage
+            reservation.settle(sum(usage))
+            self._metrics.upstream_tokens.labels(call.model, "prompt").inc(usage[0])
+            self._metrics.upstream_tokens.labels(call.model, "completion").inc(usage[1])
         if result.finish_reason == "length":
             raise _Failed(
                 UpstreamBadResponse("The AI reply was cut off at the token limit."),
@@ -281,6 +269,40 @@ class Upstream:
 
     def _count(self, call: ChatCall, status: str) -> None:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
+
+
+async def _read_chunks(
+    lines: AsyncIterator[str], result: ChatResult, on_text: OnText
+) -> tuple[int, int] | None:
+    """Consume a Chat Completions event stream; returns (prompt, completion) usage if sent."""
+    usage: tuple[int, int] | None = None
+    text = ""
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, `event:` lines
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        try:
+            chunk = json.loads(payload)
+        except ValueError:
+            raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
+        if "error" in chunk:  # OpenAI reports some failures inside a started stream
+            raise _Failed(UpstreamError(), retry=True, reason="stream_error")
+        if chunk.get("usage"):
+            u = chunk["usage"]
+            usage = (int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                text += piece
+                result.text = text
+                await on_text(text)
+    return usage
 
 
 def _error_field(body: object, name: str) -> str | None:
