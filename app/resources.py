@@ -91,15 +91,22 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         stack.push_async_callback(rules.close)
 
         base_url, api_key, simulator = await _upstream_endpoint(settings, stack)
+        timeout = httpx.Timeout(
+            connect=settings.openai_connect_timeout_s,
+            read=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
+            write=settings.openai_connect_timeout_s,
+            pool=settings.openai_connect_timeout_s,
+        )
         client = openai.AsyncOpenAI(
             api_key=api_key,
             base_url=base_url,
             max_retries=0,  # our retry loop owns retries; the SDK's would bypass the budget
-            timeout=httpx.Timeout(
-                connect=settings.openai_connect_timeout_s,
-                read=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
-                write=settings.openai_connect_timeout_s,
-                pool=settings.openai_connect_timeout_s,
+            timeout=timeout,
+            # httpx's API over aiohttp's C HTTP parser (the SDK's own aiohttp option): with
+            # h11, parsing streamed chunks in pure Python was ~25% of the event loop.
+            http_client=openai.DefaultAioHttpClient(
+                timeout=timeout,
+                limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
             ),
         )
         stack.push_async_callback(client.close)
