@@ -122,7 +122,9 @@ def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
             img = ImageOps.exif_transpose(img)
             img = _flatten(img)
             if max(img.size) > limits.long_side:
-                img.thumbnail((limits.long_side, limits.long_side), Image.Resampling.BICUBIC)
+                # After draft the remaining factor is < 2 for JPEG, where bilinear looks as
+                # good as bicubic for a downscale and costs ~35% less (9 vs 14.5 ms here).
+                img.thumbnail((limits.long_side, limits.long_side), Image.Resampling.BILINEAR)
             out = io.BytesIO()
             img.save(out, "JPEG", quality=limits.jpeg_quality, optimize=False)
     except (ImageTooManyPixels, ImageTypeUnsupported):

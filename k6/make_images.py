@@ -1,6 +1,6 @@
 """Generate the load-test photos once into ``k6/images/`` (gitignored).
 
-    .venv/bin/python k6/make_images.py            # 4 big (4032x3024) + 4 small (1280x960)
+    .venv/bin/python k6/make_images.py            # 4 big (4032x3024), 4 small (1280x960), 4 tiny (320x240)
     .venv/bin/python k6/make_images.py --force    # regenerate even if the files exist
 
 The images are photo-like on purpose: a smooth background (gradients), blurred
@@ -34,7 +34,7 @@ MAX_BYTES = 9 * 1024 * 1024  # the service's default IMAGE_MAX_BYTES is 10 MiB
 @dataclass(frozen=True)
 class Variant:
     name: str
-    group: str  # "big" or "small"
+    group: str  # "big", "small" or "tiny"
     width: int
     height: int
     seed: int
@@ -43,6 +43,9 @@ class Variant:
 VARIANTS = tuple(
     [Variant(f"big-{i}.jpg", "big", 4032, 3024, 1000 + i) for i in range(1, 5)]
     + [Variant(f"small-{i}.jpg", "small", 1280, 960, 2000 + i) for i in range(1, 5)]
+    # Thumbnails: for runs about the streaming pipeline, where image decoding should not
+    # be what saturates the CPU.
+    + [Variant(f"tiny-{i}.jpg", "tiny", 320, 240, 3000 + i) for i in range(1, 5)]
 )
 
 
@@ -112,7 +115,7 @@ def save(image: Image.Image, path: Path) -> int:
 
 def generate(out: Path, force: bool) -> dict[str, list[dict[str, object]]]:
     out.mkdir(parents=True, exist_ok=True)
-    manifest: dict[str, list[dict[str, object]]] = {"big": [], "small": []}
+    manifest: dict[str, list[dict[str, object]]] = {"big": [], "small": [], "tiny": []}
     for variant in VARIANTS:
         path = out / variant.name
         if path.exists() and not force:

@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--scenario", choices=sorted(SCRIPTS), default="closed")
     run.add_argument("--duration", default="30s", help="k6 duration (HOLD for the scan scenario)")
     run.add_argument("--form", choices=("json", "multipart", "mixed"), default="json")
-    run.add_argument("--image-set", choices=("big", "small"), default="big")
+    run.add_argument("--image-set", choices=("big", "small", "tiny"), default="big")
     run.add_argument("--warmup", type=float, default=5.0, help="seconds of 2-VU warm-up per point (0: none)")
     run.add_argument("--workers", type=int, default=1, help="uvicorn --workers")
     run.add_argument("--sim-time-scale", type=float, default=1.0, help="simulator latency multiplier")

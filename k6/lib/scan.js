@@ -7,7 +7,8 @@
 // Environment (all optional):
 //   BASE_URL         service URL (default http://127.0.0.1:8000)
 //   FORM             json | multipart | mixed (alternate per iteration), default json
-//   IMAGE_SET        big (4032x3024, ~3.5 MB) | small (1280x960, ~0.35 MB), default big
+//   IMAGE_SET        big (4032x3024, ~3.5 MB) | small (1280x960, ~0.35 MB) | tiny (320x240),
+//                    default big
 //   IMAGES_DIR       where make_images.py wrote the images (default k6/images)
 //   REQ_TIMEOUT      per-request timeout, default 120s
 //   RETRY_AFTER_MAX  upper bound in seconds for the Retry-After sleep after a 429/503
@@ -37,8 +38,8 @@ const USER_PREFIX = __ENV.USER_PREFIX || 'vu-';
 if (!['json', 'multipart', 'mixed'].includes(FORM)) {
   throw new Error(`FORM must be json, multipart or mixed, got ${FORM}`);
 }
-if (!['big', 'small'].includes(IMAGE_SET)) {
-  throw new Error(`IMAGE_SET must be big or small, got ${IMAGE_SET}`);
+if (!['big', 'small', 'tiny'].includes(IMAGE_SET)) {
+  throw new Error(`IMAGE_SET must be big, small or tiny, got ${IMAGE_SET}`);
 }
 
 // --- metrics ---------------------------------------------------------------------------
