@@ -190,9 +190,7 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
 
         probe = asyncio.create_task(probe_loop_lag(metrics), name="loop-lag-probe")
         stack.callback(probe.cancel)
-        _bind_gauges(metrics, budgets, gates, cpu)
-        metrics.reservations_open.set_function(_reader(upstream, "reservations_open"))
-        metrics.admission_in_use.set_function(_reader(admission, "in_flight"))
+        _bind_gauges(metrics, budgets, gates, cpu, upstream, admission)
 
         yield Resources(
             settings=settings,
@@ -253,7 +251,12 @@ async def _upstream_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple
 
 
 def _bind_gauges(
-    metrics: Metrics, budgets: dict[str, RateBudget], gates: dict[str, StageGate], cpu: CpuLane
+    metrics: Metrics,
+    budgets: dict[str, RateBudget],
+    gates: dict[str, StageGate],
+    cpu: CpuLane,
+    upstream: Upstream,
+    admission: Admission,
 ) -> None:
     """Gauges read live state at scrape time instead of being updated on every change."""
     for model, budget in budgets.items():
@@ -266,6 +269,8 @@ def _bind_gauges(
         metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
     metrics.cpu_queue_depth.set_function(lambda: cpu.waiting)
     metrics.cpu_busy.set_function(lambda: cpu.busy)
+    metrics.reservations_open.set_function(_reader(upstream, "reservations_open"))
+    metrics.admission_in_use.set_function(_reader(admission, "in_flight"))
 
 
 def _reader(obj: object, attribute: str) -> Callable[[], float]:
