@@ -70,7 +70,7 @@ class Settings:
 
     # --- streaming and caching ----------------------------------------------------
     sse_ping_s: float = 15.0
-    delta_flush_ms: float = 40.0
+    delta_flush_ms: float = 100.0
     rules_cache_ttl_s: float = 300.0
     log_level: str = "INFO"
 

@@ -181,7 +181,9 @@ class Upstream:
             "max_tokens": call.max_tokens,
         }
         if call.response_format is not None:
-            kwargs["response_format"] = call.response_format
+            # Sent as-is through `extra_body`: it is already wire-format JSON, and the SDK's
+            # per-call type-walk of a schema with long enum lists was ~14% of the event loop.
+            kwargs["extra_body"] = {"response_format": call.response_format}
         usage: tuple[int, int] | None
         try:
             if on_text is None:
@@ -203,7 +205,7 @@ class Upstream:
                     self._observe(call, budget, response.headers, "2xx")
                     # Leaving this block, normally or by cancellation (client gone), closes
                     # the HTTP stream: that is how the upstream learns to stop generating.
-                    usage = await _read_chunks(response.iter_lines(), result, on_text)
+                    usage = await _read_chunks(response.iter_bytes(), result, on_text)
         except openai.APIStatusError as exc:
             raise self._status_failure(call, budget, reservation, exc) from None
         except (openai.APITimeoutError, httpx.TimeoutException) as exc:
@@ -272,36 +274,43 @@ class Upstream:
 
 
 async def _read_chunks(
-    lines: AsyncIterator[str], result: ChatResult, on_text: OnText
+    stream: AsyncIterator[bytes], result: ChatResult, on_text: OnText
 ) -> tuple[int, int] | None:
-    """Consume a Chat Completions event stream; returns (prompt, completion) usage if sent."""
+    """Consume a Chat Completions event stream; returns (prompt, completion) usage if sent.
+
+    Lines are split from raw bytes here rather than through httpx's text and line
+    decoders: two fewer async layers per chunk, and json.loads takes bytes."""
     usage: tuple[int, int] | None = None
     text = ""
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue  # blank separators, comments, `event:` lines
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            break
-        try:
-            chunk = json.loads(payload)
-        except ValueError:
-            raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
-        if "error" in chunk:  # OpenAI reports some failures inside a started stream
-            raise _Failed(UpstreamError(), retry=True, reason="stream_error")
-        if chunk.get("usage"):
-            u = chunk["usage"]
-            usage = (int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
-                continue
-            if choice.get("finish_reason"):
-                result.finish_reason = choice["finish_reason"]
-            piece = (choice.get("delta") or {}).get("content")
-            if piece:
-                text += piece
-                result.text = text
-                await on_text(text)
+    buffer = b""
+    async for data in stream:
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, `event:` lines
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return usage
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
+            if "error" in chunk:  # OpenAI reports some failures inside a started stream
+                raise _Failed(UpstreamError(), retry=True, reason="stream_error")
+            if chunk.get("usage"):
+                u = chunk["usage"]
+                usage = (int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
+            for choice in chunk.get("choices") or ():
+                if choice.get("index", 0) != 0:
+                    continue
+                if choice.get("finish_reason"):
+                    result.finish_reason = choice["finish_reason"]
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    text += piece
+                    result.text = text
+                    await on_text(text)
     return usage
 
 

@@ -1,0 +1,58 @@
+"""Our reading of the Chat Completions event stream, fed awkwardly split bytes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.upstream import ChatResult, _Failed, _read_chunks
+
+
+def sse(chunk: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+
+def content(piece: str, finish: str | None = None) -> dict[str, object]:
+    return {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": finish}]}
+
+
+async def feed(data: bytes, size: int) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 64, 10_000])
+async def test_chunks_split_anywhere_give_the_same_text_and_usage(size: int) -> None:
+    body = (
+        b": keepalive\n\n"
+        + sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        + sse(content("분리"))
+        + sse(content("배출 "))
+        + sse(content("하세요", "stop"))
+        + sse({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3}})
+        + b"data: [DONE]\n\n"
+    )
+    seen: list[str] = []
+
+    async def on_text(text: str) -> None:
+        seen.append(text)
+
+    result = ChatResult("", None, None, None, 0, 0.0, 0.0)
+    usage = await _read_chunks(feed(body, size), result, on_text)
+    assert usage == (12, 3)
+    assert result.text == "분리배출 하세요"
+    assert seen == ["분리", "분리배출 ", "분리배출 하세요"]
+    assert result.finish_reason == "stop"
+
+
+async def test_an_error_inside_the_stream_is_a_retryable_failure() -> None:
+    body = sse(content("a")) + sse({"error": {"message": "overloaded"}})
+
+    async def on_text(_text: str) -> None:
+        return None
+
+    with pytest.raises(_Failed) as failed:
+        await _read_chunks(feed(body, 5), ChatResult("", None, None, None, 0, 0.0, 0.0), on_text)
+    assert failed.value.retry and failed.value.reason == "stream_error"
