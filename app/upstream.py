@@ -175,15 +175,19 @@ class Upstream:
         on_text: OnText | None,
         result: ChatResult,
     ) -> None:
+        # Messages and response_format are already wire-format JSON; they go through
+        # `extra_body`, which the SDK merges over its own fields as they are. Its per-call
+        # type-walk of them (TypedDict introspection per message, per enum list) cost
+        # ~1.4 ms of event-loop time per call, ~25% of the loop at 40 scans/s.
+        body: dict[str, Any] = {"messages": call.messages}
+        if call.response_format is not None:
+            body["response_format"] = call.response_format
         kwargs: dict[str, Any] = {
             "model": call.model,
-            "messages": call.messages,
+            "messages": [],
             "max_tokens": call.max_tokens,
+            "extra_body": body,
         }
-        if call.response_format is not None:
-            # Sent as-is through `extra_body`: it is already wire-format JSON, and the SDK's
-            # per-call type-walk of a schema with long enum lists was ~14% of the event loop.
-            kwargs["extra_body"] = {"response_format": call.response_format}
         usage: tuple[int, int] | None
         try:
             if on_text is None:
