@@ -213,6 +213,10 @@ class Metrics:
     def observe_cpu_job(self, queue_s: float, run_s: float) -> None:
         self.cpu_job.labels("queue").observe(queue_s)
         self.cpu_job.labels("run").observe(run_s)
+        # The lane's only job today is preparing the request (parse, decode, resize), so
+        # it is also the "prepare" stage's queue/service split.
+        self.stage_queue.labels("prepare", "cpu").observe(queue_s)
+        self.stage_service.labels("prepare").observe(run_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -139,6 +139,11 @@ async def test_metrics_endpoint_reports_scans(service: Service) -> None:
     text = (await service.client.get("/metrics")).text
     assert 'ecoscan_scans_total{code="",outcome="completed"} 1.0' in text
     assert "ecoscan_stage_queue_seconds_bucket" in text
+    for stage, limit in (("prepare", "cpu"), ("vision", "budget"), ("answer", "semaphore")):
+        labels = {"stage": stage, "limit": limit}
+        assert service.metric("ecoscan_stage_queue_seconds_count", labels) == 1, labels
+    for stage in ("prepare", "vision", "rule", "answer", "reward"):
+        assert service.metric("ecoscan_stage_service_seconds_count", {"stage": stage}) == 1, stage
     assert (
         'ecoscan_upstream_calls_total{endpoint="chat.completions",model="gpt-4o-mini",status="2xx"} 2.0'
         in text
