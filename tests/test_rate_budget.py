@@ -629,6 +629,8 @@ async def test_predicted_wait_counts_requests_expected_ahead(budget: RateBudget)
     alone = budget.predicted_wait(500)
     # Three more 500-token calls owed by admitted scans will be served first.
     assert budget.predicted_wait(500, ahead=3) == pytest.approx(alone + 3 * 0.5)
+    # Many owed calls (thousands of scans in flight) are priced the same way.
+    assert budget.predicted_wait(500, ahead=1000) == pytest.approx(alone + 1000 * 0.5)
 
 
 async def test_predicted_wait_during_pause(budget: RateBudget) -> None:

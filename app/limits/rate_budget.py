@@ -240,11 +240,21 @@ class RateBudget:
         req = min(self._cap_req, self._req + self._rate_req * (t - now))
         tok = min(self._cap_tok, self._tok + self._rate_tok * (t - now))
         # Simulate the queue ahead in order; each demand is admitted once both buckets fit.
-        for demand in [*(w.tokens for w in self._queue), *([tokens] * ahead), tokens]:
+        for demand in (w.tokens for w in self._queue):
             dt = self._fit_time(req, tok, demand)
             t += dt
             req = min(self._cap_req, req + self._rate_req * dt) - 1.0
             tok = min(self._cap_tok, tok + self._rate_tok * dt) - demand
+        if ahead > 0:
+            # `ahead` equal demands admitted back to back: in closed form, because admission
+            # asks this for every new scan and `ahead` runs into the thousands at high
+            # concurrency. Served continuously, the buckets never refill to their cap.
+            dt = max(0.0, (ahead - req) / self._rate_req, (ahead * tokens - tok) / self._rate_tok)
+            t += dt
+            req += self._rate_req * dt - ahead
+            tok += self._rate_tok * dt - ahead * tokens
+        dt = self._fit_time(req, tok, tokens)
+        t += dt
         wait = t - now
         return wait if wait > _EPS_T else 0.0
 
