@@ -147,7 +147,7 @@ class Upstream:
                 reservation = await budget.reserve(call.prompt_estimate + call.max_tokens, deadline=deadline)
             except BudgetDeadlineExceeded:
                 raise ScanDeadlineExceeded(
-                    "The OpenAI rate budget could not be had before the scan's deadline."
+                    "The OpenAI rate budget could not be had before the deadline."
                 ) from None
             budget_wait = time.perf_counter() - budget_started
             m.budget_wait.labels(call.model).observe(budget_wait)
