@@ -109,7 +109,8 @@ def _user_id(request: Request) -> str | None:
     return value
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The body, capped at `limit`; returned as the buffer it was read into (no copy)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge()
@@ -118,4 +119,4 @@ async def _read_body(request: Request, limit: int) -> bytes:
         body += chunk
         if len(body) > limit:
             raise PayloadTooLarge()
-    return bytes(body)
+    return body

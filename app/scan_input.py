@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -59,13 +59,13 @@ def request_kind(content_type: str) -> Literal["json", "multipart"]:
     raise ContentTypeUnsupported()
 
 
-def parse_scan_body(body: bytes, content_type: str, limits: InputLimits) -> ScanInput:
+def parse_scan_body(body: bytes | bytearray, content_type: str, limits: InputLimits) -> ScanInput:
     if request_kind(content_type) == "json":
         return _from_json(body, limits)
     return _from_multipart(body, content_type, limits)
 
 
-def _from_json(body: bytes, limits: InputLimits) -> ScanInput:
+def _from_json(body: bytes | bytearray, limits: InputLimits) -> ScanInput:
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -109,7 +109,7 @@ class _Part:
     data: bytearray | None = None
 
 
-def _from_multipart(body: bytes, content_type: str, limits: InputLimits) -> ScanInput:
+def _from_multipart(body: bytes | bytearray, content_type: str, limits: InputLimits) -> ScanInput:
     _mime, params = parse_options_header(content_type)
     boundary = params.get(b"boundary")
     if not boundary:
@@ -134,7 +134,7 @@ def _decode_text(data: bytearray) -> str:
         raise InvalidRequest("user_input must be UTF-8 text.") from None
 
 
-def _split_multipart(body: bytes, boundary: bytes) -> list[_Part]:
+def _split_multipart(body: bytes | bytearray, boundary: bytes) -> list[_Part]:
     parts: list[_Part] = []
     header_field = bytearray()
     header_value = bytearray()
@@ -178,7 +178,8 @@ def _split_multipart(body: bytes, boundary: bytes) -> list[_Part]:
         },
     )
     try:
-        parser.write(body)
+        # bytearray works at run time (only slicing and find are used); typed for bytes.
+        parser.write(cast(bytes, body))
         parser.finalize()
     except Exception:  # python-multipart raises several error types for bad input
         raise InvalidRequest("Malformed multipart body.") from None
