@@ -11,7 +11,8 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated
     └── ScanFailed               after the stream started: an SSE `error` event
         ├── UpstreamError, UpstreamRateLimited, UpstreamQuotaExhausted, UpstreamRejected,
-        │   UpstreamBadResponse, UpstreamTimeout, StageTimeout, ScanDeadlineExceeded
+        │   UpstreamBadResponse, UpstreamTimeout, UpstreamTokenLimit, UpstreamRefused,
+        │   UpstreamContentFiltered, StageTimeout, ScanDeadlineExceeded
         └── DatabaseError, InternalError
 
 Messages are written for the client; internal details go to the log only.
@@ -88,6 +89,14 @@ class UserInputTooLong(RequestRejected):
     status = 422
     code = "USER_INPUT_TOO_LONG"
     default_message = "user_input is too long."
+
+
+class ImageUrlRejected(RequestRejected):
+    """An `image_url` we will not hand to a model that fetches it (private hosts, userinfo...)."""
+
+    status = 422
+    code = "IMAGE_URL_REJECTED"
+    default_message = "image_url must be a public https:// URL."
 
 
 class ContentTypeUnsupported(RequestRejected):
@@ -183,6 +192,26 @@ class UpstreamBadResponse(UpstreamError):
 class UpstreamTimeout(UpstreamError):
     code = "UPSTREAM_TIMEOUT"
     default_message = "The AI service did not answer in time."
+
+
+class UpstreamTokenLimit(ScanFailed):
+    """The reply hit its completion cap (`finish_reason: length`); with a reasoning model,
+    usually all of it went on reasoning. Retrying with the same cap will not help."""
+
+    code = "UPSTREAM_TOKEN_LIMIT"
+    default_message = "The AI reply was cut off at its token limit."
+
+
+class UpstreamRefused(ScanFailed):
+    """The model declined to answer (`refusal`); the refusal text is the message."""
+
+    code = "UPSTREAM_REFUSED"
+    default_message = "The AI model declined to answer."
+
+
+class UpstreamContentFiltered(ScanFailed):
+    code = "UPSTREAM_CONTENT_FILTERED"
+    default_message = "The AI service's content filter stopped the reply."
 
 
 class StageTimeout(ScanFailed):

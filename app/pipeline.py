@@ -40,6 +40,7 @@ from app.stages.answer import AnswerStage
 from app.stages.reward import RewardStage
 from app.stages.rule import RuleBook
 from app.stages.vision import VisionStage
+from app.upstream import safety_identifier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -202,6 +203,7 @@ class ScanPipeline:
         t = self._timeouts
         scan_deadline = self._clock.now() + t.scan_deadline_s
         state.timings.update(scan.timings)
+        safety_id = safety_identifier(scan.user_id)
 
         async def stage(
             name: str, timeout_s: float, start_pct: int, work: Callable[[float], Awaitable[T]]
@@ -242,7 +244,9 @@ class ScanPipeline:
                 )
             )
 
-        vision = await stage("vision", t.vision_s, 5, lambda d: self._vision.run(scan.input, deadline=d))
+        vision = await stage(
+            "vision", t.vision_s, 5, lambda d: self._vision.run(scan.input, deadline=d, safety_id=safety_id)
+        )
         # The prepared image (~100 KB of base64) is only needed by the vision call; with
         # thousands of scans in flight, holding it through the answer adds up.
         scan.input = scan.input.without_image()
@@ -266,7 +270,9 @@ class ScanPipeline:
             "answer",
             t.answer_s,
             50,
-            lambda d: self._answer.run(vision, rule, scan.input.user_input, deadline=d, emit=delta),
+            lambda d: self._answer.run(
+                vision, rule, scan.input.user_input, deadline=d, emit=delta, safety_id=safety_id
+            ),
         )
         if answer.call is not None:
             self._metrics.stage_service.labels("answer").observe(answer.call.service_s)

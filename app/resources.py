@@ -44,9 +44,6 @@ from app.upstream import Upstream
 
 log = logging.getLogger("app")
 
-# A typical vision call, used to ask the budget how long a new scan would wait.
-_TYPICAL_VISION_TOKENS = 1500
-
 
 @dataclass
 class Resources:
@@ -140,6 +137,10 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             metrics=metrics,
             clock=clock,
         )
+        vision = VisionStage(
+            upstream, taxonomy, shape=settings.call_shape("vision"), detail=settings.vision_detail
+        )
+        typical_vision_tokens = vision.typical_call_tokens()
         vision_budget = budgets[settings.vision_model]
         admission = Admission(
             max_inflight=settings.max_inflight_scans,
@@ -148,7 +149,7 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             max_budget_wait_s=settings.max_budget_wait_s,
             # Calls queued at the stage gates have not reached the budget queue yet.
             predicted_budget_wait=lambda owed: vision_budget.predicted_wait(
-                _TYPICAL_VISION_TOKENS, ahead=owed + sum(g.waiting for g in gates.values())
+                typical_vision_tokens, ahead=owed + sum(g.waiting for g in gates.values())
             ),
         )
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
@@ -157,18 +158,11 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
 
         store = ScanStore(pool)
         pipeline = ScanPipeline(
-            vision=VisionStage(
-                upstream,
-                taxonomy,
-                model=settings.vision_model,
-                detail=settings.vision_detail,
-                max_tokens=settings.vision_max_tokens,
-            ),
+            vision=vision,
             rules=rules,
             answer=AnswerStage(
                 upstream,
-                model=settings.answer_model,
-                max_tokens=settings.answer_max_tokens,
+                shape=settings.call_shape("answer"),
                 delta_flush_s=settings.delta_flush_ms / 1000,
             ),
             reward=RewardStage(pool, characters, taxonomy.recyclable),

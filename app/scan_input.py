@@ -22,10 +22,10 @@ from app.errors import (
     InvalidRequest,
     UserInputTooLong,
 )
+from app.image_url import check_image_url
 from app.images import ImageLimits, PreparedImage, decode_data_url, prepare_image
 
 ImageSource = Literal["upload", "data_url", "url"]
-MAX_IMAGE_URL_CHARS = 2048
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,8 @@ def _from_json(body: bytes | bytearray, limits: InputLimits) -> ScanInput:
         data = decode_data_url(url, limits.image.max_bytes)
         image = prepare_image(data, limits.image)
         return ScanInput("data_url", image.data_url, user_input, image)
-    if url.startswith("https://"):
-        if len(url) > MAX_IMAGE_URL_CHARS:
-            raise InvalidRequest(f"image_url is longer than {MAX_IMAGE_URL_CHARS} characters.")
-        return ScanInput("url", url, user_input)
+    if url[:8].lower() == "https://":
+        return ScanInput("url", check_image_url(url), user_input)
     raise InvalidRequest("image_url must be an https:// URL or a data:image/...;base64 URL.")
 
 

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.model_profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
+
 
 class SettingsError(ValueError):
     """A setting has a value that cannot work; the message names the variable."""
@@ -39,6 +41,9 @@ class Settings:
     vision_detail: str = "low"
     vision_max_tokens: int = 120
     answer_max_tokens: int = 500
+    openai_token_param: str = "auto"
+    vision_reasoning_effort: str | None = None
+    answer_reasoning_effort: str | None = None
     openai_connect_timeout_s: float = 5.0
     openai_read_timeout_s: float = 20.0
     vision_timeout_s: float = 30.0
@@ -93,9 +98,36 @@ class Settings:
             raise SettingsError("IMAGE_JPEG_QUALITY must be between 1 and 95")
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
+        self._check_models()
         if self.openai_api_key is None and self.openai_base_url is not None:
             # A base URL without a key would silently fall back to the simulator.
             raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
+
+    def _check_models(self) -> None:
+        if self.openai_token_param not in TOKEN_PARAM_CHOICES:
+            raise SettingsError(
+                f"OPENAI_TOKEN_PARAM must be one of {', '.join(TOKEN_PARAM_CHOICES)}, "
+                f"got {self.openai_token_param!r}"
+            )
+        for stage in ("vision", "answer"):
+            try:
+                self.call_shape(stage)
+            except ValueError as exc:
+                names = f"{stage.upper()}_MODEL / {stage.upper()}_REASONING_EFFORT / OPENAI_TOKEN_PARAM"
+                raise SettingsError(f"{names}: {exc}") from None
+
+    def call_shape(self, stage: str) -> CallShape:
+        """How the `vision` or `answer` stage calls its model (see app/model_profiles.py)."""
+        vision = stage == "vision"
+        return call_shape(
+            self.vision_model if vision else self.answer_model,
+            output_tokens=self.vision_max_tokens if vision else self.answer_max_tokens,
+            effort=self.vision_reasoning_effort if vision else self.answer_reasoning_effort,
+            token_param=self.openai_token_param,
+            # A classifier should give the same photo the same label; the answer keeps
+            # the model's default sampling. Dropped where the model only takes the default.
+            temperature=0.0 if vision else None,
+        )
 
     @property
     def uses_simulator(self) -> bool:

@@ -66,7 +66,9 @@ class Taxonomy:
             "type": "object",
             "properties": {
                 "category": {"type": "string", "enum": list(self.paths)},
-                "item": {"type": "string", "maxLength": 30},
+                # No maxLength: the stage truncates (MAX_ITEM_CHARS), and strict mode treats
+                # string-length keywords as hints at best.
+                "item": {"type": "string"},
                 "situation_tags": {"type": "array", "items": {"type": "string", "enum": self.tag_names}},
             },
             "required": ["category", "item", "situation_tags"],

@@ -13,10 +13,11 @@ The SDK runs with `max_retries=0`: its retries would bypass the budget.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,42 +27,67 @@ import openai
 from app.errors import (
     ScanDeadlineExceeded,
     UpstreamBadResponse,
+    UpstreamContentFiltered,
     UpstreamError,
     UpstreamQuotaExhausted,
     UpstreamRateLimited,
+    UpstreamRefused,
     UpstreamRejected,
     UpstreamTimeout,
+    UpstreamTokenLimit,
 )
 from app.limits.clock import Clock
 from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservation
 from app.limits.retry import RetryPolicy, retry_after_from_headers
 from app.limits.stage_gate import StageGate
 from app.metrics import Metrics
+from app.model_profiles import CallShape
 
 log = logging.getLogger(__name__)
 
 ENDPOINT = "chat.completions"
 
 
+# Refusal text is logged and shown to the client, but not without bound.
+MAX_REFUSAL_CHARS = 300
+
+
 @dataclass(frozen=True)
 class ChatCall:
     stage: str
-    model: str
+    shape: CallShape  # model, token cap, reasoning effort: fixed per stage at start-up
     messages: list[dict[str, Any]]
-    max_tokens: int
     prompt_estimate: int
     response_format: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+
+    @property
+    def model(self) -> str:
+        return self.shape.model
+
+    @property
+    def reservation_tokens(self) -> int:
+        return self.prompt_estimate + self.shape.completion_cap
 
 
 @dataclass
 class ChatResult:
-    text: str
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    finish_reason: str | None
-    attempts: int
-    queue_s: float  # waiting for the stage gate and the budget, all attempts
-    service_s: float  # talking to the upstream, all attempts
+    text: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None  # reasoning included
+    reasoning_tokens: int | None = None
+    finish_reason: str | None = None
+    refusal: str = ""
+    attempts: int = 0
+    queue_s: float = 0.0  # waiting for the stage gate and the budget, all attempts
+    service_s: float = 0.0  # talking to the upstream, all attempts
+
+
+def safety_identifier(user_id: str | None) -> str | None:
+    """What OpenAI's `safety_identifier` gets: a stable hash of the user id, never the id."""
+    if user_id is None:
+        return None
+    return hashlib.sha256(b"ecoscan-user:" + user_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 # Called with everything this attempt has received so far. A retry starts again
@@ -107,7 +133,7 @@ class Upstream:
         return await self._with_retries(call, deadline, on_text)
 
     async def _with_retries(self, call: ChatCall, deadline: float, on_text: OnText | None) -> ChatResult:
-        result = ChatResult("", None, None, None, 0, 0.0, 0.0)
+        result = ChatResult()
         while True:
             result.attempts += 1
             try:
@@ -144,7 +170,7 @@ class Upstream:
             m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
             budget_started = time.perf_counter()
             try:
-                reservation = await budget.reserve(call.prompt_estimate + call.max_tokens, deadline=deadline)
+                reservation = await budget.reserve(call.reservation_tokens, deadline=deadline)
             except BudgetDeadlineExceeded:
                 raise ScanDeadlineExceeded(
                     "The OpenAI rate budget could not be had before the deadline."
@@ -175,30 +201,13 @@ class Upstream:
         on_text: OnText | None,
         result: ChatResult,
     ) -> None:
-        # Messages and response_format are already wire-format JSON; they go through
-        # `extra_body`, which the SDK merges over its own fields as they are. Its per-call
-        # type-walk of them (TypedDict introspection per message, per enum list) cost
-        # ~1.4 ms of event-loop time per call, ~25% of the loop at 40 scans/s.
-        body: dict[str, Any] = {"messages": call.messages}
-        if call.response_format is not None:
-            body["response_format"] = call.response_format
-        kwargs: dict[str, Any] = {
-            "model": call.model,
-            "messages": [],
-            "max_tokens": call.max_tokens,
-            "extra_body": body,
-        }
-        usage: tuple[int, int] | None
+        kwargs: dict[str, Any] = {"model": call.model, "messages": [], "extra_body": _body(call)}
+        usage: _Usage | None
         try:
             if on_text is None:
                 raw = await self._client.chat.completions.with_raw_response.create(**kwargs)
                 self._observe(call, budget, raw.headers, "2xx")
-                completion = raw.parse()
-                choice = completion.choices[0] if completion.choices else None
-                result.text = (choice.message.content or "") if choice else ""
-                result.finish_reason = choice.finish_reason if choice else None
-                u = completion.usage
-                usage = (u.prompt_tokens, u.completion_tokens) if u is not None else None
+                usage = _read_completion(raw.parse(), result)
             else:
                 # The SDK builds the request, authenticates and maps HTTP errors; the chunks
                 # are read as plain JSON. The SDK's per-chunk pydantic construction cost
@@ -212,25 +221,35 @@ class Upstream:
                     usage = await _read_chunks(response.iter_bytes(), result, on_text)
         except openai.APIStatusError as exc:
             raise self._status_failure(call, budget, reservation, exc) from None
-        except (openai.APITimeoutError, httpx.TimeoutException) as exc:
-            self._count(call, "error")
-            raise _Failed(UpstreamTimeout(), retry=True, reason="timeout") from exc
-        except (openai.APIConnectionError, httpx.TransportError) as exc:
-            self._count(call, "error")
-            if not result.text:
-                reservation.settle(None)  # most likely never reached the upstream
-            raise _Failed(UpstreamError(), retry=True, reason="connection") from exc
+        except (openai.APIConnectionError, httpx.TransportError) as exc:  # timeouts included
+            raise self._transport_failure(call, reservation, exc, result) from exc
         if usage is not None:
-            result.prompt_tokens, result.completion_tokens = usage
-            reservation.settle(sum(usage))
-            self._metrics.upstream_tokens.labels(call.model, "prompt").inc(usage[0])
-            self._metrics.upstream_tokens.labels(call.model, "completion").inc(usage[1])
-        if result.finish_reason == "length":
-            raise _Failed(
-                UpstreamBadResponse("The AI reply was cut off at the token limit."),
-                retry=False,
-                reason="length",
-            )
+            self._settle(call, reservation, usage, result)
+        _check_finish(call, result)
+
+    def _settle(self, call: ChatCall, reservation: Reservation, usage: _Usage, result: ChatResult) -> None:
+        result.prompt_tokens, result.completion_tokens, result.reasoning_tokens = usage
+        reservation.settle(usage[0] + usage[1])
+        tokens = self._metrics.upstream_tokens
+        tokens.labels(call.model, "prompt").inc(usage[0])
+        tokens.labels(call.model, "completion").inc(usage[1])
+        tokens.labels(call.model, "reasoning").inc(usage[2])
+
+    def _transport_failure(
+        self, call: ChatCall, reservation: Reservation, exc: Exception, result: ChatResult
+    ) -> _Failed:
+        """Refused or unreachable is a connection failure, not a timeout (the aiohttp
+        transport reports a refused connect as `httpx.ConnectTimeout`); a request that never
+        left gets its reservation back."""
+        self._count(call, "error")
+        chain = list(_causes(exc))
+        refused = any(isinstance(e, OSError) and not isinstance(e, TimeoutError) for e in chain)
+        never_sent = refused or any(isinstance(e, httpx.ConnectError | httpx.ConnectTimeout) for e in chain)
+        if never_sent and not result.text:
+            reservation.settle(None)
+        if not refused and any(isinstance(e, TimeoutError | httpx.TimeoutException) for e in chain):
+            return _Failed(UpstreamTimeout(), retry=True, reason="timeout")
+        return _Failed(UpstreamError(), retry=True, reason="connection")
 
     def _status_failure(
         self,
@@ -277,14 +296,52 @@ class Upstream:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
 
 
-async def _read_chunks(
-    stream: AsyncIterator[bytes], result: ChatResult, on_text: OnText
-) -> tuple[int, int] | None:
-    """Consume a Chat Completions event stream; returns (prompt, completion) usage if sent.
+_Usage = tuple[int, int, int]  # prompt, completion (reasoning included), reasoning
+
+
+def _body(call: ChatCall) -> dict[str, Any]:
+    """The request body as wire-format JSON, sent through `extra_body`, which the SDK merges
+    over its own fields as is. Its per-call type-walk of messages and schemas (TypedDict
+    introspection per message, per enum list) cost ~1.4 ms of event-loop time per call.
+    `tests/test_conformance.py` checks these bodies against the SDK's own types."""
+    body: dict[str, Any] = {"messages": call.messages, **call.shape.params}
+    if call.response_format is not None:
+        body["response_format"] = call.response_format
+    if call.safety_identifier is not None:
+        body["safety_identifier"] = call.safety_identifier
+    return body
+
+
+def _read_completion(completion: Any, result: ChatResult) -> _Usage | None:
+    choice = completion.choices[0] if completion.choices else None
+    if choice is not None:
+        result.text = choice.message.content or ""
+        result.refusal = choice.message.refusal or ""
+        result.finish_reason = choice.finish_reason
+    u = completion.usage
+    if u is None:
+        return None
+    details = u.completion_tokens_details
+    reasoning = (details.reasoning_tokens or 0) if details is not None else 0
+    return u.prompt_tokens, u.completion_tokens, reasoning
+
+
+def _usage_of(u: dict[str, Any]) -> _Usage:
+    details = u.get("completion_tokens_details") or {}
+    return (
+        int(u.get("prompt_tokens", 0)),
+        int(u.get("completion_tokens", 0)),
+        int(details.get("reasoning_tokens") or 0),
+    )
+
+
+async def _read_chunks(stream: AsyncIterator[bytes], result: ChatResult, on_text: OnText) -> _Usage | None:
+    """Consume a Chat Completions event stream; returns the usage if it was sent.
 
     Lines are split from raw bytes here rather than through httpx's text and line
-    decoders: two fewer async layers per chunk, and json.loads takes bytes."""
-    usage: tuple[int, int] | None = None
+    decoders: two fewer async layers per chunk, and json.loads takes bytes. A stream that
+    ends without `[DONE]` or without a finish reason was cut off on the way: retried."""
+    usage: _Usage | None = None
     text = ""
     buffer = b""
     async for data in stream:
@@ -295,6 +352,8 @@ async def _read_chunks(
                 continue  # blank separators, comments, `event:` lines
             payload = line[5:].strip()
             if payload == b"[DONE]":
+                if result.finish_reason is None:
+                    break
                 return usage
             try:
                 chunk = json.loads(payload)
@@ -303,19 +362,54 @@ async def _read_chunks(
             if "error" in chunk:  # OpenAI reports some failures inside a started stream
                 raise _Failed(UpstreamError(), retry=True, reason="stream_error")
             if chunk.get("usage"):
-                u = chunk["usage"]
-                usage = (int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0)))
+                usage = _usage_of(chunk["usage"])
             for choice in chunk.get("choices") or ():
                 if choice.get("index", 0) != 0:
                     continue
                 if choice.get("finish_reason"):
                     result.finish_reason = choice["finish_reason"]
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
+                delta = choice.get("delta") or {}
+                if refusal := delta.get("refusal"):
+                    result.refusal += refusal
+                if piece := delta.get("content"):
                     text += piece
                     result.text = text
                     await on_text(text)
-    return usage
+    raise _Failed(UpstreamError(), retry=True, reason="truncated")
+
+
+def _check_finish(call: ChatCall, result: ChatResult) -> None:
+    """A reply that arrived whole but is not an answer: refused, filtered or cut off."""
+    if result.refusal:
+        refusal = " ".join(result.refusal.split())[:MAX_REFUSAL_CHARS]
+        log.warning("%s call refused by %s: %s", call.stage, call.model, refusal)
+        refused = UpstreamRefused(f"The AI model declined to answer: {refusal}")
+        raise _Failed(refused, retry=False, reason="refusal")
+    if result.finish_reason == "content_filter":
+        raise _Failed(UpstreamContentFiltered(), retry=False, reason="content_filter")
+    if result.finish_reason == "length":
+        cap = call.shape.completion_cap
+        reasoning = result.reasoning_tokens or 0
+        log.warning(
+            "%s call to %s hit its %d-token cap (%d reasoning tokens, %d characters of reply)",
+            call.stage,
+            call.model,
+            cap,
+            reasoning,
+            len(result.text),
+        )
+        detail = "no visible reply" if not result.text else "the reply was incomplete"
+        cut = UpstreamTokenLimit(f"The AI reply hit its {cap}-token limit ({detail}).")
+        raise _Failed(cut, retry=False, reason="length")
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 def _error_field(body: object, name: str) -> str | None:

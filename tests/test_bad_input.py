@@ -60,6 +60,29 @@ def png_bomb(width: int, height: int) -> bytes:
         ({"json": {"image_url": "http://example.com/a.jpg"}}, 422, "INVALID_REQUEST"),
         ({"json": {"image_url": "ftp://example.com/a.jpg"}}, 422, "INVALID_REQUEST"),
         ({"json": {"image_url": 42}}, 422, "INVALID_REQUEST"),
+        *(
+            ({"json": {"image_url": url}}, 422, "IMAGE_URL_REJECTED")
+            for url in (
+                "https://localhost/a.jpg",
+                "https://127.0.0.1/a.jpg",
+                "https://[::1]/a.jpg",
+                "https://10.1.2.3/a.jpg",
+                "https://169.254.169.254/latest/meta-data",
+                "https://127.1/a.jpg",
+                "https://user:secret@example.com/a.jpg",
+                "https://intranet/a.jpg",
+                "https://a..b/a.jpg",
+                "https://example.com/" + "a" * 2048,
+            )
+        ),
+        (  # a lone surrogate, as JSON escapes it (the SDK could not encode it to UTF-8)
+            {
+                "content": b'{"image_url": "https://a.b/c\\udfff"}',
+                "headers": {"content-type": "application/json"},
+            },
+            422,
+            "IMAGE_URL_REJECTED",
+        ),
         ({"json": ["not", "an", "object"]}, 422, "INVALID_REQUEST"),
         ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 422, "INVALID_REQUEST"),
         (

@@ -18,10 +18,12 @@ from PIL import Image
 
 from app.sim.__main__ import build_parser, config_from_args
 from app.sim.config import SimConfig
+from app.sim.images import image_tokens, tile_count
 from app.sim.latency import plan_stream
+from app.sim.models import Tiles
 from app.sim.ratelimit import RateLimiter, format_duration
 from app.sim.server import RunningSimulator, run_simulator
-from app.sim.tokens import image_tokens, split_tokens, tile_count
+from app.sim.tokens import split_tokens
 
 MODEL = "gpt-4o-mini"
 CATEGORIES = ["plastic", "paper", "glass", "can", "vinyl", "styrofoam", "food", "general"]
@@ -439,12 +441,13 @@ def test_config_validation_and_env() -> None:
 
 
 async def test_image_token_counting(sdk: openai.AsyncOpenAI) -> None:
+    # gpt-4o bills tiles: 85 base + 170 per 512-px tile (other families: test_sim_models).
     url = image_url((90, 90, 90), size=(1024, 1024))
     prompt = {}
     details: list[Literal["low", "high", "auto"]] = ["low", "high", "auto"]
     for detail in details:
         reply = await sdk.chat.completions.create(
-            model=MODEL, messages=vision_messages(url, detail), max_tokens=50
+            model="gpt-4o", messages=vision_messages(url, detail), max_tokens=50
         )
         assert reply.usage is not None
         prompt[detail] = reply.usage.prompt_tokens
@@ -452,9 +455,10 @@ async def test_image_token_counting(sdk: openai.AsyncOpenAI) -> None:
     assert prompt["auto"] == prompt["high"]
     assert tile_count(2048, 4096) == 6
     assert tile_count(512, 512) == 1
-    assert image_tokens(image_url((0, 0, 0), size=(2048, 4096)), "high") == 85 + 170 * 6
-    assert image_tokens("https://example.com/a.jpg", "high") == 765
-    assert image_tokens("https://example.com/a.jpg", "low") == 85
+    gpt_4o = Tiles(85, 170)
+    assert image_tokens(image_url((0, 0, 0), size=(2048, 4096)), "high", gpt_4o) == 85 + 170 * 6
+    assert image_tokens("https://example.com/a.jpg", "high", gpt_4o) == 765
+    assert image_tokens("https://example.com/a.jpg", "low", gpt_4o) == 85
 
 
 async def test_bad_requests_are_openai_shaped(sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient) -> None:
@@ -478,7 +482,7 @@ async def test_stats_reset(sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient)
     assert (await stats(sim_http))["requests_total"] == 1
     reset = (await sim_http.post("/sim/stats/reset")).json()
     assert reset["requests_total"] == 0
-    assert reset["tokens"] == {"prompt": 0, "completion": 0}
+    assert reset["tokens"] == {"prompt": 0, "completion": 0, "reasoning": 0}
 
 
 def test_format_duration_and_stream_plan() -> None:

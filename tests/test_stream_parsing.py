@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import pytest
 
 from app.upstream import ChatResult, _Failed, _read_chunks
 
 
-def sse(chunk: dict[str, object]) -> bytes:
+def sse(chunk: Mapping[str, object]) -> bytes:
     return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
 
 
@@ -39,9 +39,9 @@ async def test_chunks_split_anywhere_give_the_same_text_and_usage(size: int) -> 
     async def on_text(text: str) -> None:
         seen.append(text)
 
-    result = ChatResult("", None, None, None, 0, 0.0, 0.0)
+    result = ChatResult()
     usage = await _read_chunks(feed(body, size), result, on_text)
-    assert usage == (12, 3)
+    assert usage == (12, 3, 0)
     assert result.text == "분리배출 하세요"
     assert seen == ["분리", "분리배출 ", "분리배출 하세요"]
     assert result.finish_reason == "stop"
@@ -54,5 +54,32 @@ async def test_an_error_inside_the_stream_is_a_retryable_failure() -> None:
         return None
 
     with pytest.raises(_Failed) as failed:
-        await _read_chunks(feed(body, 5), ChatResult("", None, None, None, 0, 0.0, 0.0), on_text)
+        await _read_chunks(feed(body, 5), ChatResult(), on_text)
     assert failed.value.retry and failed.value.reason == "stream_error"
+
+
+async def ignore(_text: str) -> None:
+    return None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        sse(content("a")) + sse(content("b")),  # the connection just ended
+        sse(content("a")) + b"data: [DONE]\n\n",  # [DONE] without a finish reason
+    ],
+)
+async def test_a_stream_cut_off_before_its_finish_is_a_retryable_failure(body: bytes) -> None:
+    with pytest.raises(_Failed) as failed:
+        await _read_chunks(feed(body, 4), ChatResult(), ignore)
+    assert failed.value.retry and failed.value.reason == "truncated"
+
+
+async def test_refusal_pieces_are_collected_apart_from_content() -> None:
+    refusal = {"choices": [{"index": 0, "delta": {"content": None, "refusal": "I can't"}}]}
+    tail = {"choices": [{"index": 0, "delta": {"refusal": " help."}, "finish_reason": "stop"}]}
+    usage = {"prompt_tokens": 5, "completion_tokens": 9, "completion_tokens_details": {"reasoning_tokens": 4}}
+    body = sse(refusal) + sse(tail) + sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n"
+    result = ChatResult()
+    assert await _read_chunks(feed(body, 6), result, ignore) == (5, 9, 4)
+    assert (result.refusal, result.text, result.finish_reason) == ("I can't help.", "", "stop")

@@ -59,12 +59,6 @@ def test_image_of_unknown_size_costs_the_worst_case(detail: str) -> None:
     assert estimate_image_tokens(0, 100, detail) == 1445
 
 
-def test_image_estimate_accepts_model_specific_rates() -> None:
-    # gpt-4o-mini bills images at 2833 + 5667 per tile.
-    assert estimate_image_tokens(1024, 1024, "high", base_tokens=2833, tile_tokens=5667) == (2833 + 4 * 5667)
-    assert estimate_image_tokens(None, None, "low", base_tokens=2833, tile_tokens=5667) == 2833
-
-
 def test_chat_estimate_counts_overhead_text_and_image_parts() -> None:
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "abcd"},

@@ -5,9 +5,10 @@ usage afterwards, so erring high costs a little throughput for one call and erri
 a 429. Every rule here errs high.
 
 - Text: ceil(ascii_chars / 4) + non_ascii_chars (Korean ≈ 1 token per character).
-- Images: OpenAI's tile rule (85 + 170 per 512-px tile; "low" detail is a flat 85).
-  Models that bill images at other rates take `base_tokens` / `tile_tokens`
-  (gpt-4o-mini: 2833 / 5667).
+- Images: billed per model (`ImageBilling`, chosen in `app/model_profiles.py`), by one of
+  OpenAI's two published rules: 512-px *tiles* (base + per-tile tokens; `low` detail is the
+  base alone) or 32-px *patches* (capped at 1536, times a per-model multiplier; `detail`
+  does not lower the cost).
 - Chat: 4 tokens per message (role and framing) + 3 for priming the reply, plus the content.
 """
 
@@ -15,20 +16,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 __all__ = [
-    "IMAGE_BASE_TOKENS",
-    "IMAGE_TILE_TOKENS",
     "MESSAGE_OVERHEAD_TOKENS",
     "REPLY_PRIMING_TOKENS",
+    "TILES_GPT_4O",
+    "ImageBilling",
     "estimate_chat_tokens",
     "estimate_image_tokens",
     "estimate_text_tokens",
 ]
 
-IMAGE_BASE_TOKENS = 85
-IMAGE_TILE_TOKENS = 170
 MESSAGE_OVERHEAD_TOKENS = 4
 REPLY_PRIMING_TOKENS = 3
 
@@ -37,6 +37,28 @@ _SHORT_SIDE = 768
 _TILE = 512
 # Unknown size at "high"/"auto": the worst case of the tile rule, 768×2048 → 2×4 tiles.
 _WORST_CASE_TILES = 8
+_PATCH = 32
+_MAX_PATCHES = 1536
+
+
+@dataclass(frozen=True)
+class ImageBilling:
+    """How one model family bills an image input."""
+
+    rule: Literal["tiles", "patches"]
+    base_tokens: int = 0  # tiles: the flat part, and all of a `low`-detail image
+    tile_tokens: int = 0  # tiles: per 512-px tile at `high`/`auto`
+    patch_multiplier: float = 0.0  # patches: tokens per 32-px patch
+
+    def tokens(self, width: int | None, height: int | None, detail: str = "auto") -> int:
+        if self.rule == "patches":
+            return math.ceil(_patches(width, height) * self.patch_multiplier)
+        if detail.strip().lower() == "low":
+            return self.base_tokens
+        return self.base_tokens + self.tile_tokens * _tiles(width, height)
+
+
+TILES_GPT_4O = ImageBilling("tiles", base_tokens=85, tile_tokens=170)
 
 
 def estimate_text_tokens(text: str) -> int:
@@ -46,32 +68,32 @@ def estimate_text_tokens(text: str) -> int:
 
 
 def estimate_image_tokens(
-    width: int | None,
-    height: int | None,
-    detail: str = "auto",
-    *,
-    base_tokens: int = IMAGE_BASE_TOKENS,
-    tile_tokens: int = IMAGE_TILE_TOKENS,
+    width: int | None, height: int | None, detail: str = "auto", billing: ImageBilling = TILES_GPT_4O
 ) -> int:
-    """Tokens for one image input under OpenAI's documented tile rule.
+    """Tokens for one image input; an unknown or invalid size costs the rule's worst case."""
+    return billing.tokens(width, height, detail)
 
-    "low" → `base_tokens`. "high", "auto" and anything else (treated as "high", the
-    conservative reading of "auto"): fit within 2048×2048, then downscale (never upscale) so
-    the shortest side is 768, count 512-px tiles: base + tile × tiles. Unknown or invalid
-    size → the worst case of the rule, 8 tiles (1445 tokens at the default rates).
-    """
-    if detail.strip().lower() == "low":
-        return base_tokens
+
+def _tiles(width: int | None, height: int | None) -> int:
+    """512-px tiles after fitting into 2048×2048, then shrinking (never growing) the short
+    side to 768; unknown size → the worst case, 8 tiles."""
     if width is None or height is None or width <= 0 or height <= 0:
-        return base_tokens + tile_tokens * _WORST_CASE_TILES
+        return _WORST_CASE_TILES
     # Integer arithmetic (floor, like an image resize): no float error at tile boundaries.
     w, h = width, height
     if (long := max(w, h)) > _MAX_SIDE:
         w, h = max(1, w * _MAX_SIDE // long), max(1, h * _MAX_SIDE // long)
     if (short := min(w, h)) > _SHORT_SIDE:
         w, h = max(1, w * _SHORT_SIDE // short), max(1, h * _SHORT_SIDE // short)
-    tiles = math.ceil(w / _TILE) * math.ceil(h / _TILE)
-    return base_tokens + tile_tokens * tiles
+    return math.ceil(w / _TILE) * math.ceil(h / _TILE)
+
+
+def _patches(width: int | None, height: int | None) -> int:
+    """32-px patches covering the image, capped at 1536 (a larger image is scaled down to
+    fit; the cap is also the worst case for an unknown size)."""
+    if width is None or height is None or width <= 0 or height <= 0:
+        return _MAX_PATCHES
+    return min(_MAX_PATCHES, math.ceil(width / _PATCH) * math.ceil(height / _PATCH))
 
 
 def estimate_chat_tokens(
@@ -79,8 +101,7 @@ def estimate_chat_tokens(
     *,
     image_sizes: Mapping[str, tuple[int, int]] | None = None,
     max_completion_tokens: int = 0,
-    base_tokens: int = IMAGE_BASE_TOKENS,
-    tile_tokens: int = IMAGE_TILE_TOKENS,
+    image_billing: ImageBilling = TILES_GPT_4O,
 ) -> int:
     """Estimate the tokens to reserve for a Chat Completions request.
 
@@ -88,7 +109,8 @@ def estimate_chat_tokens(
     "text" (`text`) and "image_url" (`image_url: {"url", "detail"}`); `name` and
     `tool_calls[].function.{name, arguments}` are counted as text; unknown parts are ignored.
     `image_sizes` maps an image URL (data URLs included) to its (width, height); images not in
-    it are costed at the worst case. Add `max_completion_tokens` to reserve the completion too.
+    it are costed at the worst case of `image_billing`. Add `max_completion_tokens` to reserve
+    the completion too.
     """
     sizes = image_sizes or {}
     total = REPLY_PRIMING_TOKENS + max(0, max_completion_tokens)
@@ -102,7 +124,7 @@ def estimate_chat_tokens(
         elif isinstance(content, Sequence):
             for part in content:
                 if isinstance(part, Mapping):
-                    total += _part_tokens(part, sizes, base_tokens, tile_tokens)
+                    total += _part_tokens(part, sizes, image_billing)
         for call in message.get("tool_calls") or ():
             function = call.get("function") if isinstance(call, Mapping) else None
             if isinstance(function, Mapping):
@@ -115,8 +137,7 @@ def estimate_chat_tokens(
 def _part_tokens(
     part: Mapping[str, Any],
     sizes: Mapping[str, tuple[int, int]],
-    base_tokens: int,
-    tile_tokens: int,
+    billing: ImageBilling,
 ) -> int:
     kind = part.get("type")
     if kind == "text" and isinstance(text := part.get("text"), str):
@@ -129,5 +150,5 @@ def _part_tokens(
             url, detail = image.get("url"), image.get("detail") or "auto"
         width, height = sizes.get(url, (None, None)) if isinstance(url, str) else (None, None)
         detail = detail if isinstance(detail, str) else "auto"
-        return estimate_image_tokens(width, height, detail, base_tokens=base_tokens, tile_tokens=tile_tokens)
+        return billing.tokens(width, height, detail)
     return 0

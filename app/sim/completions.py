@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from typing import Any
@@ -14,15 +13,22 @@ from app.sim.errors import QUOTA_BODY, SERVER_ERROR_BODY, InvalidRequest, error_
 from app.sim.generate import generate_content
 from app.sim.latency import plan_stream
 from app.sim.ratelimit import ORGANIZATION, Header, format_duration, retry_headers
-from app.sim.request import ChatRequest, parse_request
+from app.sim.reasoning import reasoning_tokens
+from app.sim.reply import Reply, completion_body, plan_reply, usage
+from app.sim.request import ChatRequest, decode_body, parse_request
 from app.sim.state import SimState
 from app.sim.streaming import DONE, ChunkEncoder, stream_events
-from app.sim.tokens import split_tokens
 
-# Completion tokens charged against TPM when the request sets no max_tokens
-# (OpenAI reserves the possible output up front; a generous default makes unset
-# max_tokens visibly expensive, as it is against the real API).
+# Completion tokens charged against TPM when the request sets no cap
+# (OpenAI reserves the possible output up front; a generous default makes an unset
+# max_completion_tokens visibly expensive, as it is against the real API).
 DEFAULT_MAX_TOKENS = 4096
+
+_FAULT_COUNTERS = {
+    "refuse": "refusals_injected",
+    "content_filter": "content_filters_injected",
+    "truncate": "truncations_injected",
+}
 
 _JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
@@ -51,19 +57,23 @@ class ChatCompletions:
         headers: list[Header] = [(b"x-request-id", f"req_{secrets.token_hex(16)}".encode())]
         headers += _COMMON
         try:
-            request = parse_request(raw)
+            body = decode_body(raw)
+            state.capture(body)
+            request = parse_request(body)
             content = _content(request, state)
         except InvalidRequest as exc:
-            await self._reply(send, 400, exc.body(), headers)
+            await self._reply(send, exc.status, exc.body(), headers)
             return
         stats.by_kind[request.kind] = stats.by_kind.get(request.kind, 0) + 1
-        refusal = self._refusal(request, headers)
-        if refusal is not None:
-            await self._reply(send, *refusal)
+        rejection = self._rejection(request, headers)
+        if rejection is not None:
+            await self._reply(send, *rejection)
             return
         await self._complete(request, content, headers, receive, send)
 
-    def _refusal(self, request: ChatRequest, headers: list[Header]) -> tuple[int, bytes, list[Header]] | None:
+    def _rejection(
+        self, request: ChatRequest, headers: list[Header]
+    ) -> tuple[int, bytes, list[Header]] | None:
         """Quota, forced rejection, rate limit or injected error, in OpenAI's order.
 
         Appends the rate-limit headers to ``headers`` when the buckets were consulted.
@@ -87,7 +97,7 @@ class ChatCompletions:
             return 429, body, headers + limiter.headers(request.model) + retry_headers(wait_s)
         # OpenAI: "your rate limit is calculated as the maximum of max_tokens and the
         # estimated number of tokens based on the character count of your request".
-        cost = max(request.prompt_tokens, request.max_tokens or DEFAULT_MAX_TOKENS)
+        cost = max(request.prompt_tokens, request.cap or DEFAULT_MAX_TOKENS)
         denial, limit_headers = limiter.acquire(request.model, cost)
         headers += limit_headers
         if denial is not None:
@@ -107,45 +117,50 @@ class ChatCompletions:
         receive: Receive,
         send: Send,
     ) -> None:
-        """The 200 path: sleep (or stream) the sampled latency, then the content."""
+        """The 200 path: sleep (or stream) the sampled latency, then the reply."""
         state = self.state
         stats = state.stats
         config = state.config
-        tokens = split_tokens(content)
-        finish = "stop"
-        if request.max_tokens is not None and len(tokens) > request.max_tokens:
-            tokens = tokens[: request.max_tokens]
-            content = "".join(tokens)
-            finish = "length"
+        reply = self._plan(request, content)
         latency = state.latency(request.kind)
         headers.append((b"openai-processing-ms", str(round(latency * 1000)).encode()))
         stats.count_status(200)
         stats.prompt_tokens += request.prompt_tokens
+        stats.reasoning_tokens += reply.reasoning
+        # Visible tokens are counted as they go out (a cancelled stream sends fewer).
+        stats.completion_tokens += reply.reasoning
         completion_id = f"chatcmpl-{secrets.token_urlsafe(21)}"
         created = int(time.time())
-        usage = _usage(request.prompt_tokens, len(tokens))
+        totals = usage(request.prompt_tokens, reply)
         if request.stream:
-            encoder = ChunkEncoder(completion_id, created, request.model, request.include_usage)
-            tail = encoder.finish(finish)
-            if request.include_usage:
-                tail += encoder.usage(usage)
+            encoder = ChunkEncoder(completion_id, created, request.model, request.include_usage, reply.field)
             await stream_events(
                 state=state,
                 send=send,
                 receive=receive,
                 headers=[*headers, _SSE, (b"cache-control", b"no-cache")],
                 encoder=encoder,
-                tokens=tokens,
-                tail=tail + DONE,
-                plan=plan_stream(latency, config.first_token_fraction, len(tokens)),
+                tokens=reply.tokens,
+                tail=_stream_tail(encoder, reply, request.include_usage, totals),
+                plan=plan_stream(latency, config.first_token_fraction, len(reply.tokens)),
                 stall_s=config.stall_s if state.inject_stall() else None,
             )
             return
         if latency > 0:
             await asyncio.sleep(latency)
-        stats.completion_tokens += len(tokens)
-        body = _completion_body(completion_id, created, request, content, finish, usage)
-        await _send(send, 200, body, headers)
+        stats.completion_tokens += len(reply.tokens)
+        await _send(send, 200, completion_body(completion_id, created, request, reply, totals), headers)
+
+    def _plan(self, request: ChatRequest, content: str) -> Reply:
+        """Reasoning, the cap and at most one injected 200-path fault (counted in stats)."""
+        state = self.state
+        config = state.config
+        fault = state.take_reply_fault(request.kind, request.stream)
+        if fault is not None:
+            counter = _FAULT_COUNTERS[fault]
+            setattr(state.stats, counter, getattr(state.stats, counter) + 1)
+        drawn = reasoning_tokens(request.digest, request.effort, config.seed, config.reasoning_scale)
+        return plan_reply(content, fault, request.cap, drawn)
 
     async def _reply(self, send: Send, status: int, body: bytes, headers: list[Header]) -> None:
         self.state.stats.count_status(status)
@@ -184,43 +199,11 @@ def _rate_limit_body(message: str, limit_type: str) -> bytes:
     return error_body(message, limit_type, None, "rate_limit_exceeded")
 
 
-def _usage(prompt: int, completion: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
-        "completion_tokens_details": {
-            "reasoning_tokens": 0,
-            "audio_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
-        },
-    }
-
-
-def _completion_body(
-    completion_id: str,
-    created: int,
-    request: ChatRequest,
-    content: str,
-    finish: str,
-    usage: dict[str, Any],
-) -> bytes:
-    payload = {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": request.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": content, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        ],
-        "usage": usage,
-        "system_fingerprint": "fp_sim",
-    }
-    return json.dumps(payload, ensure_ascii=False).encode()
+def _stream_tail(encoder: ChunkEncoder, reply: Reply, include_usage: bool, totals: dict[str, Any]) -> bytes:
+    """Finish chunk, usage chunk (when asked) and ``[DONE]``; nothing for a truncated stream."""
+    if reply.finish is None:
+        return b""
+    tail = encoder.finish(reply.finish)
+    if include_usage:
+        tail += encoder.usage(totals)
+    return tail + DONE

@@ -41,6 +41,18 @@ class SimConfig:
     reject_next: int = 0
     reject_retry_after_ms: int = 1000
     reject_kinds: tuple[str, ...] = KINDS
+    # 200-path faults, each consumed by one matching request like reject_next:
+    # a refusal, a reply cut by the content filter, a stream that just ends.
+    refuse_next: int = 0
+    refuse_kinds: tuple[str, ...] = KINDS
+    content_filter_next: int = 0
+    content_filter_kinds: tuple[str, ...] = KINDS
+    truncate_next: int = 0  # streamed requests only
+    truncate_kinds: tuple[str, ...] = KINDS
+    # Multiplies the reasoning tokens drawn per effort (0: reasoning models spend none).
+    reasoning_scale: float = 1.0
+    # How many of the latest request bodies GET /sim/requests keeps (0: none).
+    capture_requests: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,6 +80,11 @@ class SimConfig:
         _at_least("reject_next", self.reject_next, 0)
         _at_least("reject_retry_after_ms", self.reject_retry_after_ms, 0)
         _kinds("reject_kinds", self.reject_kinds)
+        for fault in ("refuse", "content_filter", "truncate"):
+            _at_least(f"{fault}_next", getattr(self, f"{fault}_next"), 0)
+            _kinds(f"{fault}_kinds", getattr(self, f"{fault}_kinds"))
+        _at_least("reasoning_scale", self.reasoning_scale, 0.0)
+        _at_least("capture_requests", self.capture_requests, 0)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SimConfig:

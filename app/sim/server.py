@@ -18,10 +18,10 @@ from starlette.types import Receive, Scope, Send
 from app.serving import serve_in_loop
 from app.sim.completions import ChatCompletions
 from app.sim.config import SimConfig
+from app.sim.models import listed_models
 from app.sim.state import SimState
 
 CHAT_PATH = "/v1/chat/completions"
-MODELS = ("gpt-4o-mini", "gpt-4o", "gpt-4.1-mini", "gpt-4.1-nano", "gpt-4.1")
 
 
 class SimApp(Starlette):
@@ -49,9 +49,17 @@ def create_sim_app(config: SimConfig) -> Starlette:
 
     async def models(_: Request) -> Response:
         data = [
-            {"id": name, "object": "model", "created": 1_715_367_049, "owned_by": "system"} for name in MODELS
+            {"id": name, "object": "model", "created": 1_715_367_049, "owned_by": "system"}
+            for name in listed_models()
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    async def get_requests(_: Request) -> Response:
+        return JSONResponse(list(state.captured))
+
+    async def reset_requests(_: Request) -> Response:
+        state.captured.clear()
+        return JSONResponse([])
 
     async def get_stats(_: Request) -> Response:
         return JSONResponse(state.stats.snapshot())
@@ -85,6 +93,8 @@ def create_sim_app(config: SimConfig) -> Starlette:
             Route("/sim/stats/reset", reset_stats, methods=["POST"]),
             Route("/sim/config", get_config, methods=["GET"]),
             Route("/sim/config", patch_config, methods=["PATCH"]),
+            Route("/sim/requests", get_requests, methods=["GET"]),
+            Route("/sim/requests/reset", reset_requests, methods=["POST"]),
         ],
     )
     app.state.sim = state

@@ -1,9 +1,11 @@
-"""Live simulator state: current config, rate-limit buckets, stats and the fault RNG."""
+"""Live simulator state: current config, rate-limit buckets, stats, the fault RNG and
+the captured request bodies."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +35,8 @@ class SimState:
         self.rng = random.Random(config.seed)
         # Set on shutdown so injected stalls end instead of holding the server open.
         self.closing = asyncio.Event()
+        # The latest request bodies as received (``capture_requests`` of them), oldest first.
+        self.captured: deque[dict[str, Any]] = deque(maxlen=config.capture_requests)
 
     @property
     def config(self) -> SimConfig:
@@ -46,6 +50,8 @@ class SimState:
             self.limiter = _limiter(config)
         if config.seed != old.seed:
             self.rng = random.Random(config.seed)
+        if config.capture_requests != old.capture_requests:
+            self.captured = deque(self.captured, maxlen=config.capture_requests)
 
     def configure(self, changes: Mapping[str, Any]) -> SimConfig:
         """Apply a partial update (validated; ValueError names the bad field).
@@ -61,13 +67,31 @@ class SimState:
             self.rng = random.Random(config.seed)
         return config
 
-    def take_reject(self, kind: str) -> bool:
-        """Consume one of ``reject_next`` if it applies to ``kind``."""
+    def take_fault(self, fault: str, kind: str) -> bool:
+        """Consume one of ``<fault>_next`` if it applies to ``kind`` (e.g. ``reject``)."""
         config = self._config
-        if config.reject_next <= 0 or kind not in config.reject_kinds:
+        left: int = getattr(config, f"{fault}_next")
+        if left <= 0 or kind not in getattr(config, f"{fault}_kinds"):
             return False
-        self._config = config.updated({"reject_next": config.reject_next - 1})
+        self._config = config.updated({f"{fault}_next": left - 1})
         return True
+
+    def take_reject(self, kind: str) -> bool:
+        return self.take_fault("reject", kind)
+
+    def take_reply_fault(self, kind: str, stream: bool) -> str | None:
+        """At most one 200-path fault per request: refuse, content_filter, then truncate.
+
+        ``truncate`` only shapes streams, so a non-streamed request leaves it pending.
+        """
+        for fault in ("refuse", "content_filter", "truncate"):
+            if (stream or fault != "truncate") and self.take_fault(fault, kind):
+                return fault
+        return None
+
+    def capture(self, body: dict[str, Any]) -> None:
+        if self.captured.maxlen:
+            self.captured.append(body)
 
     def inject_error(self, kind: str) -> bool:
         config = self._config

@@ -20,11 +20,15 @@ class SimStats:
         self.quota_rejected_total = 0
         self.errors_injected_total = 0
         self.prompt_tokens = 0
-        self.completion_tokens = 0
+        self.completion_tokens = 0  # reasoning + visible, as OpenAI bills them
+        self.reasoning_tokens = 0
         self.streams_started = 0
         self.streams_completed = 0
         self.streams_cancelled = 0
         self.stalls_injected = 0
+        self.refusals_injected = 0
+        self.content_filters_injected = 0
+        self.truncations_injected = 0
 
     def count_status(self, status: int) -> None:
         key = str(status)
@@ -38,10 +42,17 @@ class SimStats:
             "rate_limited_total": self.rate_limited_total,
             "quota_rejected_total": self.quota_rejected_total,
             "errors_injected_total": self.errors_injected_total,
-            "tokens": {"prompt": self.prompt_tokens, "completion": self.completion_tokens},
+            "tokens": {
+                "prompt": self.prompt_tokens,
+                "completion": self.completion_tokens,
+                "reasoning": self.reasoning_tokens,
+            },
             "streams_started": self.streams_started,
             "streams_completed": self.streams_completed,
             "streams_cancelled": self.streams_cancelled,
             "inflight": self.inflight,
             "stalls_injected": self.stalls_injected,
+            "refusals_injected": self.refusals_injected,
+            "content_filters_injected": self.content_filters_injected,
+            "truncations_injected": self.truncations_injected,
         }

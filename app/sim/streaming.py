@@ -21,22 +21,34 @@ _DELTA_CACHE_MAX = 50_000
 
 
 class ChunkEncoder:
-    """Pre-serialised chunk framing so each token costs one ``json.dumps`` of its text."""
+    """Pre-serialised chunk framing so each token costs one ``json.dumps`` of its text.
 
-    def __init__(self, completion_id: str, created: int, model: str, include_usage: bool) -> None:
+    ``field`` is ``content``, or ``refusal`` for a refusal, whose deltas carry
+    ``refusal`` pieces with a null ``content`` (as OpenAI streams them).
+    """
+
+    def __init__(
+        self, completion_id: str, created: int, model: str, include_usage: bool, field: str = "content"
+    ) -> None:
         self.head = (
             f'data: {{"id":"{completion_id}","object":"chat.completion.chunk",'
-            f'"created":{created},"model":{json.dumps(model)},'
+            f'"created":{created},"model":{json.dumps(model)},"service_tier":"default",'
             '"system_fingerprint":"fp_sim","choices":'
         ).encode()
+        self.field = field
         self._usage_null = b',"usage":null' if include_usage else b""
         self._open = self.head + b'[{"index":0,"delta":'
         self._close = b',"logprobs":null,"finish_reason":null}]' + self._usage_null + b"}\n\n"
 
     def role(self) -> bytes:
+        if self.field == "refusal":
+            return self._open + b'{"role":"assistant","content":null,"refusal":""}' + self._close
         return self._open + b'{"role":"assistant","content":"","refusal":null}' + self._close
 
     def token(self, text: str) -> bytes:
+        if self.field != "content":
+            piece = json.dumps(text, ensure_ascii=False).encode()
+            return self._open + b'{"' + self.field.encode() + b'":' + piece + b"}" + self._close
         delta = _DELTAS.get(text)
         if delta is None:
             if len(_DELTAS) >= _DELTA_CACHE_MAX:
@@ -72,6 +84,9 @@ async def stream_events(
     stall_s: float | None,
 ) -> None:
     """Send headers + chunks on schedule; ``tail`` (finish/usage/[DONE]) closes the body.
+
+    An empty ``tail`` ends the body cleanly right after the last token: what a client
+    sees when the upstream connection is cut between chunks.
 
     A client disconnect cancels this coroutine mid-sleep (via a watcher on ``receive``);
     it then returns normally after counting ``streams_cancelled``.

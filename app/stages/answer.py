@@ -29,6 +29,7 @@ import jiter
 
 from app.errors import UpstreamBadResponse
 from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
+from app.model_profiles import CallShape
 from app.stages.rule import RuleMatch
 from app.stages.vision import VisionResult
 from app.upstream import ChatCall, ChatResult, Upstream
@@ -125,10 +126,9 @@ class _DeltaWriter:
 
 
 class AnswerStage:
-    def __init__(self, upstream: Upstream, *, model: str, max_tokens: int, delta_flush_s: float) -> None:
+    def __init__(self, upstream: Upstream, *, shape: CallShape, delta_flush_s: float) -> None:
         self._upstream = upstream
-        self._model = model
-        self._max_tokens = max_tokens
+        self._shape = shape
         self._delta_flush_s = delta_flush_s
         self._response_format = {
             "type": "json_schema",
@@ -137,7 +137,9 @@ class AnswerStage:
         # The schema is part of the prompt OpenAI counts; constant, so priced once.
         self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
 
-    def build_call(self, vision: VisionResult, rule: RuleMatch, user_input: str | None) -> ChatCall:
+    def build_call(
+        self, vision: VisionResult, rule: RuleMatch, user_input: str | None, safety_id: str | None = None
+    ) -> ChatCall:
         c = vision.classification
         facts: dict[str, Any] = {
             "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor or vision.item_name},
@@ -154,11 +156,11 @@ class AnswerStage:
         ]
         return ChatCall(
             stage="answer",
-            model=self._model,
+            shape=self._shape,
             messages=messages,
-            max_tokens=self._max_tokens,
             prompt_estimate=estimate_chat_tokens(messages) + self._schema_tokens,
             response_format=self._response_format,
+            safety_identifier=safety_id,
         )
 
     async def run(
@@ -169,11 +171,11 @@ class AnswerStage:
         *,
         deadline: float,
         emit: EmitDelta,
+        safety_id: str | None = None,
     ) -> Answer:
         writer = _DeltaWriter(emit, self._delta_flush_s)
-        result = await self._upstream.stream(
-            self.build_call(vision, rule, user_input), deadline=deadline, on_text=writer.update
-        )
+        call = self.build_call(vision, rule, user_input, safety_id)
+        result = await self._upstream.stream(call, deadline=deadline, on_text=writer.update)
         await writer.update(result.text, final=True)
         return parse_answer(result.text, result)
 

@@ -13,12 +13,15 @@ from typing import Any
 
 from app.errors import UpstreamBadResponse
 from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
+from app.model_profiles import CallShape
 from app.scan_input import ScanInput
 from app.taxonomy import Classification, Taxonomy
 from app.upstream import ChatCall, ChatResult, Upstream
 
 MAX_TAGS = 8
 MAX_ITEM_CHARS = 30
+# A prepared photo at the default IMAGE_LONG_SIDE (4:3): what admission prices a new scan at.
+TYPICAL_IMAGE_SIZE = (768, 576)
 
 SYSTEM_PROMPT = (
     "당신은 한국 생활폐기물 분리배출 분류기입니다. 사진 속 주된 품목 하나의 category를 "
@@ -43,14 +46,11 @@ class VisionResult:
 
 
 class VisionStage:
-    def __init__(
-        self, upstream: Upstream, taxonomy: Taxonomy, *, model: str, detail: str, max_tokens: int
-    ) -> None:
+    def __init__(self, upstream: Upstream, taxonomy: Taxonomy, *, shape: CallShape, detail: str) -> None:
         self._upstream = upstream
         self._taxonomy = taxonomy
-        self._model = model
+        self._shape = shape
         self._detail = detail
-        self._max_tokens = max_tokens
         self._response_format = {
             "type": "json_schema",
             "json_schema": {
@@ -62,7 +62,27 @@ class VisionStage:
         # The schema is part of the prompt OpenAI counts; constant, so priced once.
         self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
 
-    def build_call(self, scan: ScanInput) -> ChatCall:
+    def typical_call_tokens(self) -> int:
+        """Tokens a typical call reserves (an uploaded photo, no note): admission's yardstick."""
+        image = self._shape.profile.image.tokens(*TYPICAL_IMAGE_SIZE, self._detail)
+        messages = self._messages(ScanInput("upload", "", None))
+        return estimate_chat_tokens(messages) + image + self._schema_tokens + self._shape.completion_cap
+
+    def build_call(self, scan: ScanInput, *, safety_id: str | None = None) -> ChatCall:
+        sizes = {scan.image_url: (scan.image.width, scan.image.height)} if scan.image else None
+        messages = self._messages(scan)
+        billing = self._shape.profile.image
+        return ChatCall(
+            stage="vision",
+            shape=self._shape,
+            messages=messages,
+            prompt_estimate=estimate_chat_tokens(messages, image_sizes=sizes, image_billing=billing)
+            + self._schema_tokens,
+            response_format=self._response_format,
+            safety_identifier=safety_id,
+        )
+
+    def _messages(self, scan: ScanInput) -> list[dict[str, Any]]:
         text = "이 물건을 분류해 주세요."
         if scan.user_input:
             text += f"\n사용자 메모: {scan.user_input}"
@@ -79,18 +99,11 @@ class VisionStage:
                 ],
             },
         ]
-        sizes = {scan.image_url: (scan.image.width, scan.image.height)} if scan.image else None
-        return ChatCall(
-            stage="vision",
-            model=self._model,
-            messages=messages,
-            max_tokens=self._max_tokens,
-            prompt_estimate=estimate_chat_tokens(messages, image_sizes=sizes) + self._schema_tokens,
-            response_format=self._response_format,
-        )
+        return messages
 
-    async def run(self, scan: ScanInput, *, deadline: float) -> VisionResult:
-        result = await self._upstream.complete(self.build_call(scan), deadline=deadline)
+    async def run(self, scan: ScanInput, *, deadline: float, safety_id: str | None = None) -> VisionResult:
+        call = self.build_call(scan, safety_id=safety_id)
+        result = await self._upstream.complete(call, deadline=deadline)
         classification, item, tags = self.parse(result.text)
         return VisionResult(classification, item, tags, result)
 
