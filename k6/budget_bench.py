@@ -30,6 +30,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import make_images
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
@@ -73,12 +75,13 @@ def main() -> int:
     )
     p.add_argument("--service-rpm", type=int, default=500)
     p.add_argument("--service-tpm", type=int, default=500_000)
-    p.add_argument("--image-set", default="small")
+    p.add_argument("--image-set", choices=make_images.GROUPS, default="small")
     p.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
     p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "budget")
     p.add_argument("--set", action="append", default=[], help="extra service env KEY=VALUE")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    make_images.generate(sets=[args.image_set])
 
     db = f"ecoscan_budget_{os.getpid()}"
     psql(args.database_url, f'CREATE DATABASE "{db}"')

@@ -1,7 +1,13 @@
-"""Generate the load-test photos once into ``k6/images/`` (gitignored).
+"""Generate the load-test photos into ``k6/images/`` (gitignored).
 
-    .venv/bin/python k6/make_images.py            # 4 big (4032x3024), 4 small (1280x960), 4 tiny (320x240)
-    .venv/bin/python k6/make_images.py --force    # regenerate even if the files exist
+    .venv/bin/python k6/make_images.py               # 4 big (4032x3024), 4 small (1280x960), 4 tiny (320x240)
+    .venv/bin/python k6/make_images.py --sets small  # only the sets named
+    .venv/bin/python k6/make_images.py --force       # regenerate even if the files exist
+
+The sweep and the bench drivers call ``generate`` themselves before running k6, so
+running this by hand is only needed for plain ``k6 run``s with ``IMAGE_SET`` big or
+small: until ``k6/images/`` exists, the scripts send the committed samples in
+``k6/sample-images/`` (the tiny set, written by ``--sets tiny --out k6/sample-images``).
 
 The images are photo-like on purpose: a smooth background (gradients), blurred
 "objects" (shapes), fine per-pixel sensor noise and blotchy low-frequency noise, saved
@@ -10,8 +16,9 @@ few megabytes like a phone photo and costs the service a realistic decode. Every
 is derived from a fixed seed per file (Pillow + ``random.Random``), so every run and
 every machine produces the same bytes, and existing files are skipped.
 
-Also writes ``k6/images/manifest.json``: ``{"big": [{"file", "width", "height",
-"bytes"}, ...], "small": [...]}``, which the k6 scripts read in their init context.
+Also writes ``manifest.json`` beside them: ``{"big": [{"file", "width", "height",
+"bytes"}, ...], "small": [...], "tiny": [...]}``, which the k6 scripts read in their
+init context.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +37,8 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "images"
 QUALITY = 92
 MAX_BYTES = 9 * 1024 * 1024  # the service's default IMAGE_MAX_BYTES is 10 MiB
+GROUPS = ("big", "small", "tiny")
+Manifest = dict[str, list[dict[str, object]]]
 
 
 @dataclass(frozen=True)
@@ -105,34 +115,43 @@ def photo(variant: Variant) -> Image.Image:
     return Image.blend(image, grain, 0.16)
 
 
-def save(image: Image.Image, path: Path) -> int:
-    image.save(path, "JPEG", quality=QUALITY, subsampling=2, optimize=False)
+def save(image: Image.Image, path: Path) -> None:
+    """Write through a temporary file: an interrupted run never leaves a truncated image
+    that later runs would skip as present."""
+    tmp = path.with_name(path.name + ".tmp")
+    image.save(tmp, "JPEG", quality=QUALITY, subsampling=2, optimize=False)
+    tmp.replace(path)
     size = path.stat().st_size
+    print(f"wrote {path.name} {image.width}x{image.height} {size / 2**20:.2f} MiB")
     if size > MAX_BYTES:
         print(f"warning: {path.name} is {size / 2**20:.1f} MiB, above {MAX_BYTES / 2**20:.0f} MiB")
-    return size
 
 
-def generate(out: Path, force: bool) -> dict[str, list[dict[str, object]]]:
-    out.mkdir(parents=True, exist_ok=True)
-    manifest: dict[str, list[dict[str, object]]] = {"big": [], "small": [], "tiny": []}
+def manifest_of(out: Path) -> Manifest:
+    """Every known image present in `out`, by set (a set not generated is empty)."""
+    manifest: Manifest = {group: [] for group in GROUPS}
     for variant in VARIANTS:
         path = out / variant.name
-        if path.exists() and not force:
-            print(f"skip  {path.name} (exists, {path.stat().st_size / 2**20:.2f} MiB)")
-        else:
+        if path.exists():
+            entry = {"file": variant.name, "width": variant.width, "height": variant.height}
+            manifest[variant.group].append({**entry, "bytes": path.stat().st_size})
+    return manifest
+
+
+def generate(out: Path = DEFAULT_OUT, *, sets: Iterable[str] = GROUPS, force: bool = False) -> Manifest:
+    """Write the missing images of `sets` and the manifest of what `out` holds. Cheap when
+    nothing is missing, so the sweep and bench drivers call it before every run."""
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = set(sets)
+    for variant in VARIANTS:
+        path = out / variant.name
+        if variant.group in wanted and (force or not path.exists()):
             save(photo(variant), path)
-            print(f"wrote {path.name} {variant.width}x{variant.height} {path.stat().st_size / 2**20:.2f} MiB")
-        manifest[variant.group].append(
-            {
-                "file": variant.name,
-                "width": variant.width,
-                "height": variant.height,
-                "bytes": path.stat().st_size,
-            }
-        )
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    print(f"wrote {out / 'manifest.json'}")
+    manifest = manifest_of(out)
+    text = json.dumps(manifest, indent=2) + "\n"
+    manifest_path = out / "manifest.json"
+    if not manifest_path.exists() or manifest_path.read_text() != text:
+        manifest_path.write_text(text)
     return manifest
 
 
@@ -141,9 +160,20 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default k6/images)")
+    parser.add_argument(
+        "--sets",
+        type=lambda text: text.split(","),
+        default=list(GROUPS),
+        help="comma-separated (default all)",
+    )
     parser.add_argument("--force", action="store_true", help="regenerate files that already exist")
     args = parser.parse_args(argv)
-    generate(args.out, args.force)
+    unknown = set(args.sets) - set(GROUPS)
+    if unknown:
+        parser.error(f"unknown set(s) {', '.join(sorted(unknown))}; known: {', '.join(GROUPS)}")
+    manifest = generate(args.out, sets=args.sets, force=args.force)
+    counts = ", ".join(f"{group} {len(entries)}" for group, entries in manifest.items())
+    print(f"{args.out / 'manifest.json'}: {counts}")
     return 0
 
 

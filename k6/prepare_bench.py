@@ -1,6 +1,6 @@
 """CPU cost of preparing one upload (the CPU lane's job), against the naive way.
 
-    .venv/bin/python k6/make_images.py && .venv/bin/python k6/prepare_bench.py
+    .venv/bin/python k6/prepare_bench.py   # generates the big and small images first if missing
 
 Reports the median process CPU time of 15 runs for: a naive full decode + resize
 (Pillow's default bicubic) + re-encode; the published improvement, draft-mode decode at
@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PIL import Image, ImageOps
+
+import make_images
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -40,9 +42,9 @@ def naive(data: bytes) -> bytes:
 
 
 def draft_half(data: bytes) -> bytes:
-    img = Image.open(io.BytesIO(data))
-    img.draft("RGB", (img.width // 2, img.height // 2))
-    img = ImageOps.exif_transpose(img)
+    source = Image.open(io.BytesIO(data))
+    source.draft("RGB", (source.width // 2, source.height // 2))
+    img = ImageOps.exif_transpose(source)
     img.thumbnail((768, 768), Image.Resampling.BICUBIC, reducing_gap=None)
     return encode(img)
 
@@ -58,8 +60,9 @@ def cpu_ms(fn: Callable[[bytes], object], data: bytes, runs: int = 15) -> float:
 
 
 def main() -> None:
+    make_images.generate(sets=["big", "small"])
     for name in ("big-1.jpg", "small-1.jpg"):
-        data = (ROOT / "k6" / "images" / name).read_bytes()
+        data = (make_images.DEFAULT_OUT / name).read_bytes()
         size = Image.open(io.BytesIO(data)).size
         base = cpu_ms(naive, data)
         print(f"{name} {size[0]}x{size[1]} {len(data) / 1e6:.1f} MB")

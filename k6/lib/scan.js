@@ -9,7 +9,8 @@
 //   FORM             json | multipart | mixed (alternate per iteration), default json
 //   IMAGE_SET        big (4032x3024, ~3.5 MB) | small (1280x960, ~0.35 MB) | tiny (320x240),
 //                    default big
-//   IMAGES_DIR       where make_images.py wrote the images (default k6/images)
+//   IMAGES_DIR       where make_images.py wrote the images (default k6/images; until that
+//                    exists, the committed k6/sample-images, i.e. the tiny set)
 //   REQ_TIMEOUT      per-request timeout, default 120s
 //   RETRY_AFTER_MAX  upper bound in seconds for the Retry-After sleep after a 429/503
 //                    (default 10, arrival.js 0; 0 = don't sleep)
@@ -72,7 +73,11 @@ export const THRESHOLDS = {
 export const SUMMARY_TREND_STATS = ['avg', 'min', 'med', 'max', 'p(90)', 'p(95)', 'p(99)', 'count'];
 
 // --- images and request bodies (init context, once per VU) -----------------------------------
-const IMAGES_DIR = __ENV.IMAGES_DIR ? __ENV.IMAGES_DIR.replace(/\/+$/, '') : '../images';
+// open() paths are relative to this file. The generated set (k6/make_images.py) is
+// gitignored; until it exists, every IMAGE_SET sends the committed samples (the four
+// 320x240 tiny images), so the scripts run right after install.
+const GENERATED_DIR = '../images';
+const SAMPLES_DIR = '../sample-images';
 const USER_INPUTS = [
   '이거 어떻게 버려요?',
   '뚜껑이랑 라벨은 따로 분리해야 하나요?',
@@ -81,18 +86,44 @@ const USER_INPUTS = [
   'How do I dispose of this?',
 ];
 
-function loadManifest() {
-  try {
-    return JSON.parse(open(`${IMAGES_DIR}/manifest.json`));
-  } catch (e) {
-    throw new Error(`cannot read ${IMAGES_DIR}/manifest.json (run: python k6/make_images.py): ${e}`);
-  }
+function readManifest(dir) {
+  return JSON.parse(open(`${dir}/manifest.json`));
 }
 
-const manifest = loadManifest();
-const imageList = manifest[IMAGE_SET];
+function chooseImages() {
+  if (__ENV.IMAGES_DIR) {
+    const dir = __ENV.IMAGES_DIR.replace(/\/+$/, '');
+    try {
+      return { dir, list: readManifest(dir)[IMAGE_SET], note: '' };
+    } catch (e) {
+      throw new Error(`cannot read ${dir}/manifest.json (run: python k6/make_images.py): ${e}`);
+    }
+  }
+  let generated;
+  try {
+    generated = readManifest(GENERATED_DIR);
+  } catch (_e) {
+    return { dir: SAMPLES_DIR, list: readManifest(SAMPLES_DIR).tiny, note: samplesNote() };
+  }
+  return { dir: GENERATED_DIR, list: generated[IMAGE_SET], note: '' };
+}
+
+function samplesNote() {
+  if (IMAGE_SET === 'tiny') return ''; // the samples are the tiny set
+  return (
+    `IMAGE_SET=${IMAGE_SET}, but k6/images/ is not generated (python k6/make_images.py): ` +
+    'sending the committed 320x240 samples instead'
+  );
+}
+
+const images = chooseImages();
+const IMAGES_DIR = images.dir;
+const imageList = images.list;
+// Empty unless the images sent are not the IMAGE_SET asked for; setup() and the summary say so.
+export const IMAGES_NOTE = images.note;
 if (!imageList || imageList.length === 0) {
-  throw new Error(`manifest.json has no "${IMAGE_SET}" images`);
+  const hint = `python k6/make_images.py --sets ${IMAGE_SET}`;
+  throw new Error(`${IMAGES_DIR}/manifest.json has no "${IMAGE_SET}" images (run: ${hint})`);
 }
 // k6 only lets a VU open() files that were opened while it first parsed the script
 // (__VU == 0), so that pass registers the whole set; real VUs then keep one image each.
@@ -260,5 +291,6 @@ export function checkReady() {
   if (res.status !== 200) {
     throw new Error(`${BASE_URL}/readyz answered ${res.status}: is the service running?`);
   }
+  if (IMAGES_NOTE) console.warn(IMAGES_NOTE);
   return { baseUrl: BASE_URL, form: FORM, imageSet: IMAGE_SET };
 }

@@ -5,6 +5,8 @@
 // its own compact text summary for stdout and, when SUMMARY_JSON is set, writes k6's
 // raw summary object (plus an `ecoscan` block with the run's settings) to that path.
 
+import { IMAGES_NOTE } from './scan.js';
+
 const ENV_KEYS = [
   'BASE_URL',
   'FORM',
@@ -57,7 +59,7 @@ export function handleSummary(data) {
   for (const key of ENV_KEYS) {
     if (__ENV[key] !== undefined) settings[key] = __ENV[key];
   }
-  data.ecoscan = { settings };
+  data.ecoscan = { settings, imagesNote: IMAGES_NOTE };
   const out = { stdout: textSummary(data) };
   if (__ENV.SUMMARY_JSON) out[__ENV.SUMMARY_JSON] = JSON.stringify(data, null, 1);
   return out;
@@ -163,6 +165,7 @@ export function textSummary(data) {
     .join(' ');
   const lines = ['', `  ecoscan k6 summary: ${seconds.toFixed(1)}s against ${s.BASE_URL || '(default)'}`];
   if (shown) lines.push(`  ${shown}`);
+  if (data.ecoscan && data.ecoscan.imagesNote) lines.push(`  ${data.ecoscan.imagesNote}`);
   const th = thresholdLines(metrics);
   if (th.length) lines.push('', '  THRESHOLDS', ...th);
   lines.push('', '  LATENCY', ...trendLines(metrics));

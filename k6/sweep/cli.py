@@ -1,0 +1,208 @@
+"""Run a k6 scenario over a grid of service settings and load levels; tabulate and chart it.
+
+For every point of the grid the sweep starts the OpenAI simulator (``python -m
+app.sim``) and the service (``uvicorn app.main:app``) as fresh processes on free
+loopback ports, waits for ``/readyz``, warms up, runs k6 with the point's load level
+while sampling the service's CPU and RSS, scrapes ``/metrics`` and ``/sim/stats``,
+stops everything it started, and writes one JSON file per point into the out dir.
+A re-run skips the points already written (same config) unless ``--force``. The test
+images of ``--image-set`` are generated first if missing (k6/make_images.py).
+
+Usage (from the repository root, with the venv's python):
+
+    # CPU lane width x vision concurrency x closed-loop VUs, 30 s per point
+    .venv/bin/python k6/sweep --max-workers 1,2,4 --vision-concurrency 8,64 \\
+        --vus 10,20,30 --scenario closed --duration 30s --sim-time-scale 0.45 \\
+        --out k6/results/sweep-lane
+
+    # open model: arrival rates instead of VUs; any other service setting via --set
+    .venv/bin/python k6/sweep --scenario arrival --rates 2,4,8 --duration 60s \\
+        --set MAX_INFLIGHT_SCANS=64,256 --sim-set latency_sigma=0.4 --out k6/results/sweep-arrival
+
+    # smoke test
+    .venv/bin/python k6/sweep --max-workers 1,2 --vus 5,10 --scenario closed \\
+        --duration 10s --sim-time-scale 0.05 --image-set small --out /tmp/sweep-smoke
+
+    # rebuild points.csv / table.md / charts from what is already in the out dir
+    .venv/bin/python k6/sweep --max-workers 1,2 --vus 5,10 --out /tmp/sweep-smoke --report-only
+
+Writes into ``--out``: ``points/*.json`` (one per point: config, k6 summary digest,
+CPU/RSS samples digest, /metrics deltas, /sim/stats), ``logs/`` (service, simulator
+and k6 output per point), ``points.csv``, ``table.md``, ``throughput.png``,
+``latency_p95.png`` and ``cpu.png``.
+
+CPU% is psutil's per-process figure summed over the service's process tree
+(100 = one core busy). With ``--workers > 1`` each scrape of ``/metrics`` reaches one
+worker only, so the /metrics columns then describe that worker, not the service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import make_images
+
+from .grid import Point, build_grid, expected_run_s
+from .k6_run import SCRIPTS
+from .point import Context, run_point
+from .processes import ensure_database, find_k6
+from .reports import fmt_ms, load_result, write_json, write_reports
+
+
+def csv_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def key_values(text: str) -> tuple[str, list[str]]:
+    key, sep, values = text.partition("=")
+    if not sep or not key.strip() or not csv_list(values):
+        raise argparse.ArgumentTypeError(f"expected KEY=V1,V2, got {text!r}")
+    return key.strip(), csv_list(values)
+
+
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def add_grid_options(p: argparse.ArgumentParser) -> None:
+    grid = p.add_argument_group("grid (comma-separated values; the sweep runs every combination)")
+    grid.add_argument("--max-workers", type=csv_list, default=[], help="CPU_MAX_WORKERS values")
+    grid.add_argument("--vision-concurrency", type=csv_list, default=[], help="VISION_CONCURRENCY values")
+    grid.add_argument("--answer-concurrency", type=csv_list, default=[], help="ANSWER_CONCURRENCY values")
+    grid.add_argument(
+        "--set",
+        dest="sets",
+        type=key_values,
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="any other service env var, e.g. --set MAX_INFLIGHT_SCANS=64,256 (repeatable)",
+    )
+    grid.add_argument("--vus", type=csv_list, default=[], help="VU levels (closed and scan scenarios)")
+    grid.add_argument("--rates", type=csv_list, default=[], help="arrival rates per second (arrival)")
+
+
+def add_fixed_options(p: argparse.ArgumentParser) -> None:
+    run = p.add_argument_group("fixed options")
+    run.add_argument("--scenario", choices=sorted(SCRIPTS), default="closed")
+    run.add_argument("--duration", default="30s", help="k6 duration (HOLD for the scan scenario)")
+    run.add_argument("--form", choices=("json", "multipart", "mixed"), default="json")
+    run.add_argument("--image-set", choices=("big", "small", "tiny"), default="big")
+    run.add_argument("--warmup", type=float, default=5.0, help="seconds of 2-VU warm-up per point (0: none)")
+    run.add_argument("--workers", type=int, default=1, help="uvicorn --workers")
+    run.add_argument("--sim-time-scale", type=float, default=1.0, help="simulator latency multiplier")
+    run.add_argument("--sim-rpm", type=int, default=0, help="simulator RPM limit (0 = unlimited)")
+    run.add_argument("--sim-tpm", type=int, default=0, help="simulator TPM limit (0 = unlimited)")
+    run.add_argument(
+        "--sim-set",
+        type=key_value,
+        action="append",
+        default=[],
+        metavar="KEY=V",
+        help="any simulator flag, e.g. --sim-set error_rate=0.02 (repeatable)",
+    )
+    run.add_argument("--service-rpm", type=int, help="OPENAI_RPM (default: the sim's, or very high)")
+    run.add_argument("--service-tpm", type=int, help="OPENAI_TPM (default: the sim's, or very high)")
+    run.add_argument(
+        "--k6-env", type=key_value, action="append", default=[], metavar="KEY=V", help="extra k6 env"
+    )
+    run.add_argument("--access-log", action="store_true", help="keep uvicorn's access log (off by default)")
+    run.add_argument(
+        "--database-url",
+        default="postgresql://postgres@127.0.0.1:5432/ecoscan_bench",
+        help="created with psql if missing; the service migrates it at start",
+    )
+
+
+def add_control_options(p: argparse.ArgumentParser) -> None:
+    ctl = p.add_argument_group("control")
+    ctl.add_argument("--out", type=Path, required=True, help="output directory")
+    ctl.add_argument("--force", action="store_true", help="re-run points that already have results")
+    ctl.add_argument("--report-only", action="store_true", help="only rebuild csv/table/charts")
+    ctl.add_argument("--max-minutes", type=float, default=60.0, help="stop starting points after this")
+    ctl.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for /readyz")
+    ctl.add_argument("--k6", help="k6 binary (default: .venv/bin/k6, then PATH)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python k6/sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_grid_options(p)
+    add_fixed_options(p)
+    add_control_options(p)
+    return p
+
+
+def progress(index: int, count: int, point: Point, result: dict[str, Any]) -> str:
+    head = f"[{index}/{count}] {point.label} {point.level_name}={point.level}"
+    if "error" in result:
+        return f"{head} ... ERROR {str(result['error']).splitlines()[0]}"
+    k6, res = result["k6"], result["resources"]["service"]
+    fail = "-" if k6["failure_rate"] is None else f"{k6['failure_rate'] * 100:.1f}%"
+    p95 = fmt_ms(k6["total_p95"])
+    return (
+        f"{head} ... {k6['throughput']:.2f} scans/s p95 {p95} fail {fail} rejected {k6['rejected']:.0f} "
+        f"cpu {res['cpu_avg']:.0f}% rss {res['rss_max_mb']:.0f}MB ({result['elapsed_s']:.0f}s)"
+    )
+
+
+def run_sweep(ctx: Context, points: list[Point], *, max_minutes: float, force: bool) -> None:
+    """Run the points not done yet, in order, until done or out of `max_minutes`."""
+    deadline = time.monotonic() + max_minutes * 60
+    for index, point in enumerate(points, 1):
+        path = ctx.out / "points" / point.filename
+        existing = load_result(path, point)
+        if existing is not None and "error" not in existing and not force:
+            print(f"[{index}/{len(points)}] {point.label} {point.level_name}={point.level} ... done already")
+            continue
+        budget = expected_run_s(point) + point.fixed.warmup_s + 20
+        if time.monotonic() + budget > deadline:
+            print(f"--max-minutes reached: {len(points) - index + 1} point(s) left for a re-run")
+            return
+        try:
+            result = run_point(ctx, point)
+        except (RuntimeError, OSError, ValueError) as exc:
+            result = {"config": point.config, "label": point.label, "error": str(exc)}
+        write_json(path, result)
+        print(progress(index, len(points), point, result), flush=True)
+
+
+def interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    points = build_grid(args)
+    out: Path = args.out
+    (out / "points").mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"argv": sys.argv[1:], "points": len(points)}, indent=1))
+    if args.report_only:
+        write_reports(out, points)
+        return 0
+    make_images.generate(sets=[args.image_set])
+    ctx = Context(
+        k6=find_k6(args.k6), out=out, database_url=args.database_url, start_timeout=args.start_timeout
+    )
+    ensure_database(args.database_url)
+    # SIGTERM behaves like Ctrl-C: unwind through every `finally` that stops processes.
+    signal.signal(signal.SIGTERM, interrupt)
+    print(f"{len(points)} point(s) -> {out}")
+    try:
+        run_sweep(ctx, points, max_minutes=args.max_minutes, force=args.force)
+    except KeyboardInterrupt:
+        print("\ninterrupted: processes stopped; re-run the same command to resume")
+        return 130
+    finally:
+        write_reports(out, points)
+    return 0
