@@ -21,6 +21,7 @@ import asyncpg
 import httpx
 import openai
 
+from app.acceptance import ScanAcceptance
 from app.database import EmbeddedPostgres, apply_migrations, bundled_migrations, create_pool
 from app.images import ImageLimits
 from app.limits.admission import Admission
@@ -31,10 +32,11 @@ from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
 from app.loop_lag import probe_loop_lag
 from app.metrics import Metrics
-from app.pipeline import ScanPipeline, StageTimeouts
+from app.pipeline import ScanPipeline
 from app.scan_input import InputLimits
 from app.scan_store import ScanStore
 from app.settings import Settings
+from app.stage_runner import StageRunner
 from app.stages.answer import AnswerStage
 from app.stages.reward import RewardStage
 from app.stages.rule import RuleBook
@@ -43,6 +45,12 @@ from app.taxonomy import Taxonomy, load_taxonomy
 from app.upstream import Upstream
 
 log = logging.getLogger("app")
+
+# Connections to the upstream: one per call in progress, and calls in progress are bounded
+# by the stage gates (VISION_/ANSWER_CONCURRENCY, default 64 each) and far below this;
+# keep-alive reuse matters more than the cap, so idle ones are kept generously.
+UPSTREAM_MAX_CONNECTIONS = 2048
+UPSTREAM_MAX_KEEPALIVE = 512
 
 
 @dataclass
@@ -58,6 +66,7 @@ class Resources:
     rules: RuleBook
     store: ScanStore
     pipeline: ScanPipeline
+    acceptance: ScanAcceptance
     input_limits: InputLimits
     upstream_base_url: str
     simulator: Any = None  # app.sim.server.RunningSimulator when embedded
@@ -83,7 +92,12 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             taxonomy = await load_taxonomy(conn)
             characters = await RewardStage.load_characters(conn)
 
-        rules = RuleBook(pool, recyclable=taxonomy.recyclable, ttl_s=settings.rules_cache_ttl_s)
+        rules = RuleBook(
+            pool,
+            recyclable=taxonomy.recyclable,
+            ttl_s=settings.rules_cache_ttl_s,
+            timeout_s=settings.db_timeout_s,
+        )
         await rules.start_listening(dsn)
         stack.push_async_callback(rules.close)
 
@@ -103,7 +117,9 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             # h11, parsing streamed chunks in pure Python was ~25% of the event loop.
             http_client=openai.DefaultAioHttpClient(
                 timeout=timeout,
-                limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
+                limits=httpx.Limits(
+                    max_connections=UPSTREAM_MAX_CONNECTIONS, max_keepalive_connections=UPSTREAM_MAX_KEEPALIVE
+                ),
             ),
         )
         stack.push_async_callback(client.close)
@@ -138,19 +154,27 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             clock=clock,
         )
         vision = VisionStage(
-            upstream, taxonomy, shape=settings.call_shape("vision"), detail=settings.vision_detail
+            upstream,
+            taxonomy,
+            shape=settings.call_shape("vision"),
+            detail=settings.vision_detail,
+            timeout_s=settings.vision_timeout_s,
         )
-        typical_vision_tokens = vision.typical_call_tokens()
-        vision_budget = budgets[settings.vision_model]
+        answer = AnswerStage(
+            upstream,
+            shape=settings.call_shape("answer"),
+            delta_flush_s=settings.delta_flush_ms / 1000,
+            timeout_s=settings.answer_timeout_s,
+        )
+        reward = RewardStage(pool, characters, taxonomy.recyclable, timeout_s=settings.db_timeout_s)
+        runner = StageRunner([vision, rules, answer, reward], metrics=metrics, clock=clock)
         admission = Admission(
             max_inflight=settings.max_inflight_scans,
             per_user=settings.max_inflight_per_user,
             wait_s=settings.admission_wait_s,
             max_budget_wait_s=settings.max_budget_wait_s,
-            # Calls queued at the stage gates have not reached the budget queue yet.
-            predicted_budget_wait=lambda owed: vision_budget.predicted_wait(
-                typical_vision_tokens, ahead=owed + sum(g.waiting for g in gates.values())
-            ),
+            predicted_budget_wait=vision.predicted_budget_wait,
+            calls_per_scan=runner.calls_per_scan,
         )
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
         cpu.observers.append(metrics.observe_cpu_job)
@@ -158,23 +182,10 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
 
         store = ScanStore(pool)
         pipeline = ScanPipeline(
-            vision=vision,
-            rules=rules,
-            answer=AnswerStage(
-                upstream,
-                shape=settings.call_shape("answer"),
-                delta_flush_s=settings.delta_flush_ms / 1000,
-            ),
-            reward=RewardStage(pool, characters, taxonomy.recyclable),
+            runner,
             store=store,
             metrics=metrics,
-            timeouts=StageTimeouts(
-                vision_s=settings.vision_timeout_s,
-                rule_s=settings.db_timeout_s,
-                answer_s=settings.answer_timeout_s,
-                reward_s=settings.db_timeout_s,
-                scan_deadline_s=settings.scan_deadline_s,
-            ),
+            scan_deadline_s=settings.scan_deadline_s,
             clock=clock,
             on_finished=admission.observe_scan_duration,
         )
@@ -185,6 +196,15 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         probe = asyncio.create_task(probe_loop_lag(metrics), name="loop-lag-probe")
         stack.callback(probe.cancel)
         _bind_gauges(metrics, budgets, gates, cpu, upstream, admission)
+        input_limits = _input_limits(settings)
+        acceptance = ScanAcceptance(
+            admission=admission,
+            cpu=cpu,
+            store=store,
+            pipeline=pipeline,
+            limits=input_limits,
+            metrics=metrics,
+        )
 
         yield Resources(
             settings=settings,
@@ -198,18 +218,21 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             rules=rules,
             store=store,
             pipeline=pipeline,
-            input_limits=InputLimits(
-                image=ImageLimits(
-                    max_bytes=settings.image_max_bytes,
-                    max_pixels=settings.image_max_pixels,
-                    long_side=settings.image_long_side,
-                    jpeg_quality=settings.image_jpeg_quality,
-                ),
-                user_input_max_chars=settings.user_input_max_chars,
-            ),
+            acceptance=acceptance,
+            input_limits=input_limits,
             upstream_base_url=base_url,
             simulator=simulator,
         )
+
+
+def _input_limits(settings: Settings) -> InputLimits:
+    image = ImageLimits(
+        max_bytes=settings.image_max_bytes,
+        max_pixels=settings.image_max_pixels,
+        long_side=settings.image_long_side,
+        jpeg_quality=settings.image_jpeg_quality,
+    )
+    return InputLimits(image=image, user_input_max_chars=settings.user_input_max_chars)
 
 
 async def _database(settings: Settings, stack: AsyncExitStack) -> str:

@@ -1,7 +1,9 @@
 """The SSE response of one scan: a race between the pipeline task, sse-starlette's
-ping and its client-disconnect listener.
+ping and its client-disconnect listener. The only module that knows the wire format:
+each domain event becomes one SSE event whose `data` is JSON with `job_id`, `step`,
+`seq` (also the SSE `id:`), `progress` and the event's own fields.
 
-The response only *reads* the scan's event queue. When the client goes away,
+The response only *reads* the scan's event log. When the client goes away,
 sse-starlette cancels this generator; its `finally` cancels the pipeline task,
 which then cleans up on its own (closes the upstream stream, writes the
 `cancelled` row, releases its admission ticket). The generator never awaits that
@@ -11,14 +13,15 @@ cancelled again.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from app.events import TERMINAL
 from app.metrics import Metrics
 from app.pipeline import ScanRun
+from app.scan_events import LogEntry
 
 
 def scan_response(run: ScanRun, metrics: Metrics, *, ping_s: float) -> EventSourceResponse:
@@ -35,16 +38,22 @@ def scan_response(run: ScanRun, metrics: Metrics, *, ping_s: float) -> EventSour
 
 async def _events(run: ScanRun, metrics: Metrics) -> AsyncIterator[ServerSentEvent]:
     metrics.streams_open.inc()
+    job_id = str(run.scan.id)
     first = True
     try:
-        while True:
-            event = await run.queue.get()
+        async for entry in run.log.follow():
             if first:
                 metrics.first_event.observe(time.perf_counter() - run.scan.received_at)
                 first = False
-            yield event
-            if event.event in TERMINAL:
-                return
+            yield to_sse(job_id, entry)
     finally:
         metrics.streams_open.dec()
         run.cancel()
+
+
+def to_sse(job_id: str, entry: LogEntry) -> ServerSentEvent:
+    event = entry.event
+    data = {"job_id": job_id, "step": event.step, "seq": entry.seq, "progress": entry.progress}
+    data.update(event.fields())
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return ServerSentEvent(data=text, event=event.kind, id=str(entry.seq))

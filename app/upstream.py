@@ -126,6 +126,12 @@ class Upstream:
         # Reservations taken and not yet settled: zero whenever no call is in progress.
         self.reservations_open = 0
 
+    def predicted_wait(self, model: str, tokens: int, *, ahead: int) -> float:
+        """How long a call of `tokens` would wait for `model`'s budget behind `ahead` calls
+        (plus those queued at the stage gates, which have not reached the budget yet)."""
+        queued_at_gates = sum(g.waiting for g in self._gates.values())
+        return self._budgets[model].predicted_wait(tokens, ahead=ahead + queued_at_gates)
+
     async def complete(self, call: ChatCall, *, deadline: float) -> ChatResult:
         return await self._with_retries(call, deadline, None)
 

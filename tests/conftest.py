@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import io
 import json
 import os
@@ -74,6 +75,23 @@ async def database_url() -> AsyncIterator[str]:
             await embedded.stop()
         if tmp is not None:
             tmp.cleanup()
+
+
+@pytest.fixture(autouse=True)
+async def no_stray_loop_errors() -> AsyncIterator[None]:
+    """Fail any test during which the event loop's exception handler fired ("Task
+    exception was never retrieved", errors in callbacks...), as asyncpg's suite does."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    try:
+        yield
+        gc.collect()  # unretrieved task exceptions are reported when the task is collected
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert not errors, f"the event loop reported errors: {[e.get('message') for e in errors]}"
 
 
 @pytest.fixture(scope="session")

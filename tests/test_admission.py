@@ -8,7 +8,9 @@ import asyncio
 import pytest
 
 from app.errors import ServerBusy, UpstreamBudgetExhausted, UserOverLimit
-from app.limits.admission import CALLS_PER_SCAN, Admission
+from app.limits.admission import Admission
+
+CALLS_PER_SCAN = 2  # vision + answer
 
 
 def admission(
@@ -27,6 +29,7 @@ def admission(
             wait_s=wait_s,
             max_budget_wait_s=5.0,
             predicted_budget_wait=predicted,
+            calls_per_scan=CALLS_PER_SCAN,
         ),
         asked,
     )
@@ -38,10 +41,10 @@ async def test_owed_calls_follow_the_scan_through_its_stages() -> None:
     assert adm.owed_calls == CALLS_PER_SCAN
     await adm.admit("b")
     assert asked == [0, 2]  # the second scan is told about the first one's calls
-    first.call_started()
+    first.calls_started(1)
     assert adm.owed_calls == 3
-    first.call_started()
-    first.call_started()  # a retry is not a new owed call
+    first.calls_started(1)
+    first.calls_started(1)  # a retry is not a new owed call
     assert adm.owed_calls == 2
     first.release()
     assert adm.owed_calls == 2 and adm.in_flight == 1
@@ -50,7 +53,7 @@ async def test_owed_calls_follow_the_scan_through_its_stages() -> None:
 async def test_a_failed_scan_gives_back_the_calls_it_never_made() -> None:
     adm, _ = admission(max_inflight=10, per_user=10)
     ticket = await adm.admit("a")
-    ticket.call_started()
+    ticket.calls_started(1)
     ticket.release()
     ticket.release()  # idempotent
     assert adm.owed_calls == 0 and adm.in_flight == 0 and adm.per_user_in_flight == {}

@@ -25,7 +25,7 @@ async def rulebook(database_url: str) -> AsyncIterator[RuleBook]:
     async with pool.acquire() as conn:
         await apply_migrations(conn, bundled_migrations())
         taxonomy = await load_taxonomy(conn)
-    book = RuleBook(pool, recyclable=taxonomy.recyclable, ttl_s=300)
+    book = RuleBook(pool, recyclable=taxonomy.recyclable, ttl_s=300, timeout_s=5)
     await book.start_listening(database_url)
     try:
         yield book

@@ -26,8 +26,6 @@ from collections.abc import Callable
 
 from app.errors import ServerBusy, UpstreamBudgetExhausted, UserOverLimit
 
-CALLS_PER_SCAN = 2  # vision + answer
-
 
 class Ticket:
     __slots__ = ("_admission", "_released", "owed", "user_key")
@@ -35,14 +33,15 @@ class Ticket:
     def __init__(self, admission: Admission, user_key: str) -> None:
         self._admission = admission
         self.user_key = user_key
-        self.owed = CALLS_PER_SCAN
+        self.owed = admission.calls_per_scan
         self._released = False
 
-    def call_started(self) -> None:
-        """The scan is about to make one of the upstream calls it owes."""
-        if self.owed > 0 and not self._released:
-            self.owed -= 1
-            self._admission.owed_calls -= 1
+    def calls_started(self, calls: int = 1) -> None:
+        """The scan is about to make `calls` of the upstream calls it owes."""
+        calls = min(calls, self.owed)
+        if calls > 0 and not self._released:
+            self.owed -= calls
+            self._admission.owed_calls -= calls
 
     def release(self) -> None:
         if not self._released:
@@ -61,7 +60,9 @@ class Admission:
         wait_s: float,
         max_budget_wait_s: float,
         predicted_budget_wait: Callable[[int], float],
+        calls_per_scan: int,
     ) -> None:
+        self.calls_per_scan = calls_per_scan  # upstream calls a scan owes when admitted
         self.max_inflight = max_inflight
         self.per_user = per_user
         self.wait_s = wait_s
@@ -89,7 +90,7 @@ class Admission:
             self._release_slot()
             raise UserOverLimit(retry_after_s=self._retry_after_busy())
         self.per_user_in_flight[user_key] = self.per_user_in_flight.get(user_key, 0) + 1
-        self.owed_calls += CALLS_PER_SCAN
+        self.owed_calls += self.calls_per_scan
         return Ticket(self, user_key)
 
     async def _wait_for_slot(self) -> None:

@@ -1,4 +1,6 @@
-"""Clocks for the rate budget: the real monotonic one and a fake one for tests and benchmarks."""
+"""Clocks for the rate budget and the scan deadlines: the real monotonic one and a fake
+one for tests and benchmarks. Budget waits, retries and stage deadlines all read the
+same clock, so a test that moves a `FakeClock` moves every one of them."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import asyncio
 import heapq
 import itertools
 import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
 __all__ = ["Clock", "FakeClock", "MonotonicClock"]
@@ -22,12 +26,19 @@ class Clock(Protocol):
         """Sleep for `seconds` of this clock's time."""
         ...
 
+    def timeout_at(self, deadline: float) -> AbstractAsyncContextManager[object]:
+        """Raise TimeoutError in the block once this clock reaches `deadline`."""
+        ...
+
 
 class MonotonicClock:
     """The real clock: `time.monotonic` and `asyncio.sleep`."""
 
     def now(self) -> float:
         return time.monotonic()
+
+    def timeout_at(self, deadline: float) -> AbstractAsyncContextManager[object]:
+        return asyncio.timeout(max(0.0, deadline - self.now()))
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
@@ -63,6 +74,21 @@ class FakeClock:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), fut))
         await fut  # a cancelled sleep cancels fut; advance() skips it
+
+    @asynccontextmanager
+    async def timeout_at(self, deadline: float) -> AsyncIterator[object]:
+        """asyncio's own timeout, fired by a watchdog that sleeps on this clock."""
+        async with asyncio.timeout(None) as scope:
+
+            async def fire() -> None:
+                await self.sleep(deadline - self._now)
+                scope.reschedule(asyncio.get_running_loop().time())
+
+            watchdog = asyncio.create_task(fire())
+            try:
+                yield scope
+            finally:
+                watchdog.cancel()
 
     @property
     def sleepers(self) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import jiter
@@ -30,8 +29,8 @@ import jiter
 from app.errors import UpstreamBadResponse
 from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
 from app.model_profiles import CallShape
-from app.stages.rule import RuleMatch
-from app.stages.vision import VisionResult
+from app.scan_context import ScanContext
+from app.stages.results import Answer, RuleMatch, VisionResult
 from app.upstream import ChatCall, ChatResult, Upstream
 
 ANSWER_SCHEMA: dict[str, Any] = {
@@ -64,21 +63,6 @@ SYSTEM_PROMPT = (
 )
 
 EmitDelta = Callable[[str], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class Answer:
-    user_answer: str
-    steps: list[str]
-    insufficiencies: list[str]
-    call: ChatResult | None = field(default=None, compare=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "insufficiencies": self.insufficiencies,
-            "user_answer": self.user_answer,
-        }
 
 
 def render(answer: dict[str, Any]) -> str:
@@ -126,7 +110,14 @@ class _DeltaWriter:
 
 
 class AnswerStage:
-    def __init__(self, upstream: Upstream, *, shape: CallShape, delta_flush_s: float) -> None:
+    name = "answer"
+    progress_share = 45
+    upstream_calls = 1
+
+    def __init__(
+        self, upstream: Upstream, *, shape: CallShape, delta_flush_s: float, timeout_s: float
+    ) -> None:
+        self.timeout_s = timeout_s
         self._upstream = upstream
         self._shape = shape
         self._delta_flush_s = delta_flush_s
@@ -163,21 +154,20 @@ class AnswerStage:
             safety_identifier=safety_id,
         )
 
-    async def run(
-        self,
-        vision: VisionResult,
-        rule: RuleMatch,
-        user_input: str | None,
-        *,
-        deadline: float,
-        emit: EmitDelta,
-        safety_id: str | None = None,
-    ) -> Answer:
-        writer = _DeltaWriter(emit, self._delta_flush_s)
-        call = self.build_call(vision, rule, user_input, safety_id)
-        result = await self._upstream.stream(call, deadline=deadline, on_text=writer.update)
+    async def run(self, ctx: ScanContext) -> Answer:
+        writer = _DeltaWriter(ctx.emit_delta, self._delta_flush_s)
+        call = self.build_call(ctx.vision, ctx.rule, ctx.scan.input.user_input, ctx.safety_id)
+        result = await self._upstream.stream(call, deadline=ctx.deadline, on_text=writer.update)
         await writer.update(result.text, final=True)
         return parse_answer(result.text, result)
+
+    def event_fields(self, result: Answer) -> dict[str, Any]:
+        return {"answer": result.to_json()}
+
+    result_fields = event_fields
+
+    def queue_seconds(self, result: Answer) -> float:
+        return result.call.queue_s if result.call is not None else 0.0
 
 
 def parse_answer(text: str, call: ChatResult | None = None) -> Answer:

@@ -14,14 +14,14 @@ ownership row (both false).
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from app.stages.answer import Answer
-from app.stages.rule import RuleMatch
+from app.errors import DatabaseError
+from app.scan_context import ScanContext
+from app.scan_store import DB_ERRORS
+from app.stages.results import Answer, Character, Reward, RuleMatch
 from app.taxonomy import Classification
 
 _RECORD = """
@@ -34,38 +34,20 @@ if TYPE_CHECKING:
     from app.database import DbConn
 
 
-@dataclass(frozen=True)
-class Character:
-    code: str
-    name: str
-    dialog: str
-    middle: str | None
-
-    def to_json(self) -> dict[str, str]:
-        return {"code": self.code, "name": self.name, "dialog": self.dialog}
-
-
-@dataclass(frozen=True)
-class Reward:
-    character: Character
-    received: bool
-    already_owned: bool
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "character": self.character.to_json(),
-            "received": self.received,
-            "already_owned": self.already_owned,
-        }
-
-
 class RewardStage:
+    name = "reward"
+    progress_share = 6
+    upstream_calls = 0
+
     def __init__(
         self,
         pool: asyncpg.Pool[asyncpg.Record],
         characters: list[Character],
         recyclable: frozenset[str],
+        *,
+        timeout_s: float,
     ) -> None:
+        self.timeout_s = timeout_s
         self._pool = pool
         self._recyclable = recyclable
         self._by_middle = {c.middle: c for c in characters if c.middle is not None}
@@ -89,22 +71,27 @@ class RewardStage:
         character = self._by_middle.get(c.middle) if c.middle is not None else None
         return character or self._default
 
-    async def run(
-        self,
-        *,
-        user_id: str | None,
-        scan_id: uuid.UUID,
-        c: Classification,
-        rule: RuleMatch,
-        answer: Answer,
-    ) -> Reward | None:
+    async def run(self, ctx: ScanContext) -> Reward | None:
+        c, rule, answer = ctx.vision.classification, ctx.rule, ctx.answer
         if not self.eligible(c, rule, answer):
             return None
         character = self.match(c)
         if character is None:
             return None
+        user_id = ctx.scan.user_id
         if user_id is None:
             return Reward(character, received=False, already_owned=False)
-        async with self._pool.acquire() as conn:
-            inserted = await conn.fetchval(_RECORD, user_id, character.code, scan_id)
+        try:
+            async with self._pool.acquire() as conn:
+                inserted = await conn.fetchval(_RECORD, user_id, character.code, ctx.scan.id)
+        except DB_ERRORS as exc:
+            raise DatabaseError() from exc
         return Reward(character, received=inserted is not None, already_owned=inserted is None)
+
+    def event_fields(self, result: Reward | None) -> dict[str, Any]:
+        return {"reward": result.to_json() if result is not None else None}
+
+    result_fields = event_fields
+
+    def queue_seconds(self, result: Reward | None) -> float:
+        return 0.0

@@ -16,29 +16,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 
+from app.errors import DatabaseError
+from app.scan_context import ScanContext
+from app.scan_store import DB_ERRORS
+from app.stages.results import RuleMatch
 from app.taxonomy import Classification
 
 log = logging.getLogger(__name__)
 
 CHANNEL = "disposal_rules_changed"
-
-
-@dataclass(frozen=True)
-class RuleMatch:
-    document: dict[str, Any] | None
-    matched_by: str | None  # exact | minor | major, None when nothing matched
-    key: dict[str, str | None] | None
-    reason: str | None = None
-
-    def to_json(self) -> dict[str, Any] | None:
-        if self.document is None:
-            return None
-        return {**self.document, "matched_by": self.matched_by, "key": self.key}
 
 
 _EXACT = (
@@ -54,9 +44,21 @@ _BY_MINOR = """
 
 
 class RuleBook:
+    """The rule stage: cached rule lookups, invalidated by NOTIFY."""
+
+    name = "rule"
+    progress_share = 8
+    upstream_calls = 0
+
     def __init__(
-        self, pool: asyncpg.Pool[asyncpg.Record], *, recyclable: frozenset[str], ttl_s: float
+        self,
+        pool: asyncpg.Pool[asyncpg.Record],
+        *,
+        recyclable: frozenset[str],
+        ttl_s: float,
+        timeout_s: float,
     ) -> None:
+        self.timeout_s = timeout_s
         self._pool = pool
         self._recyclable = recyclable
         self._ttl_s = ttl_s
@@ -82,6 +84,21 @@ class RuleBook:
     def _on_notify(self, *_args: object) -> None:
         log.info("disposal rules changed: rule cache cleared")
         self.invalidate()
+
+    async def run(self, ctx: ScanContext) -> RuleMatch:
+        try:
+            return await self.find(ctx.vision.classification)
+        except DB_ERRORS as exc:
+            raise DatabaseError() from exc
+
+    def event_fields(self, result: RuleMatch) -> dict[str, Any]:
+        return {"disposal_rules": result.to_json(), "reason": result.reason}
+
+    def result_fields(self, result: RuleMatch) -> dict[str, Any]:
+        return {"disposal_rules": result.to_json(), "disposal_rules_reason": result.reason}
+
+    def queue_seconds(self, result: RuleMatch) -> float:
+        return 0.0
 
     async def find(self, c: Classification) -> RuleMatch:
         key = (c.major, c.middle, c.minor)

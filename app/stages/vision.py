@@ -8,15 +8,16 @@ know. The image is our prepared JPEG data URL (or the client's https URL as is).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from app.errors import UpstreamBadResponse
 from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
 from app.model_profiles import CallShape
+from app.scan_context import ScanContext
 from app.scan_input import ScanInput
+from app.stages.results import VisionResult
 from app.taxonomy import Classification, Taxonomy
-from app.upstream import ChatCall, ChatResult, Upstream
+from app.upstream import ChatCall, Upstream
 
 MAX_TAGS = 8
 MAX_ITEM_CHARS = 30
@@ -30,23 +31,15 @@ SYSTEM_PROMPT = (
 )
 
 
-@dataclass(frozen=True)
-class VisionResult:
-    classification: Classification
-    item_name: str  # the model's own words for the item; `minor` only if it is a known one
-    situation_tags: list[str]
-    call: ChatResult
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "classification": self.classification.to_json(),
-            "item_name": self.item_name,
-            "situation_tags": self.situation_tags,
-        }
-
-
 class VisionStage:
-    def __init__(self, upstream: Upstream, taxonomy: Taxonomy, *, shape: CallShape, detail: str) -> None:
+    name = "vision"
+    progress_share = 25
+    upstream_calls = 1
+
+    def __init__(
+        self, upstream: Upstream, taxonomy: Taxonomy, *, shape: CallShape, detail: str, timeout_s: float
+    ) -> None:
+        self.timeout_s = timeout_s
         self._upstream = upstream
         self._taxonomy = taxonomy
         self._shape = shape
@@ -101,11 +94,26 @@ class VisionStage:
         ]
         return messages
 
-    async def run(self, scan: ScanInput, *, deadline: float, safety_id: str | None = None) -> VisionResult:
-        call = self.build_call(scan, safety_id=safety_id)
-        result = await self._upstream.complete(call, deadline=deadline)
+    def predicted_budget_wait(self, owed_calls: int) -> float:
+        """How long a new scan's vision call would wait for the budget: admission's test."""
+        return self._upstream.predicted_wait(self._shape.model, self.typical_call_tokens(), ahead=owed_calls)
+
+    async def run(self, ctx: ScanContext) -> VisionResult:
+        call = self.build_call(ctx.scan.input, safety_id=ctx.safety_id)
+        result = await self._upstream.complete(call, deadline=ctx.deadline)
+        # The prepared image (~100 KB of base64) is only needed by this call; with
+        # thousands of scans in flight, holding it through the answer adds up.
+        ctx.scan.input = ctx.scan.input.without_image()
         classification, item, tags = self.parse(result.text)
         return VisionResult(classification, item, tags, result)
+
+    def event_fields(self, result: VisionResult) -> dict[str, Any]:
+        return result.to_json()
+
+    result_fields = event_fields
+
+    def queue_seconds(self, result: VisionResult) -> float:
+        return result.call.queue_s
 
     def parse(self, text: str) -> tuple[Classification, str, list[str]]:
         try:

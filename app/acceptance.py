@@ -1,0 +1,107 @@
+"""Accepting a scan, the whole of it: admission, reading the body, preparing it in the
+CPU lane, recording it, starting it. `ScanAcceptance` holds the admission ticket from
+the moment it is granted until the pipeline owns it (the pipeline releases it when the
+scan ends); any failure on the way gives it back. Every refusal is an `EcoscanError`,
+rendered before any stream starts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+
+from app.errors import DatabaseError, DatabaseUnavailable, InvalidRequest, PayloadTooLarge
+from app.limits.admission import Admission, Ticket
+from app.limits.cpu_lane import CpuLane
+from app.metrics import Metrics
+from app.pipeline import ScanPipeline, ScanRun
+from app.scan_context import AcceptedScan
+from app.scan_input import InputLimits, ScanInput, parse_scan_body, request_kind
+from app.scan_store import ScanStore
+
+MAX_USER_ID_CHARS = 128
+
+
+class ScanAcceptance:
+    def __init__(
+        self,
+        *,
+        admission: Admission,
+        cpu: CpuLane,
+        store: ScanStore,
+        pipeline: ScanPipeline,
+        limits: InputLimits,
+        metrics: Metrics,
+    ) -> None:
+        self._admission = admission
+        self._cpu = cpu
+        self._store = store
+        self._pipeline = pipeline
+        self._limits = limits
+        self._metrics = metrics
+
+    async def accept(self, request: Request) -> ScanRun:
+        received_at = time.perf_counter()
+        content_type = request.headers.get("content-type", "")
+        request_kind(content_type)  # 415 before reading anything
+        user_id = _user_id(request)
+        ticket = await self._admit(user_id or f"anon:{request.client.host if request.client else '-'}")
+        try:
+            body = await _read_body(request, self._limits.max_body_bytes)
+            prepare_started = time.perf_counter()
+            scan_input = await self._cpu.run(parse_scan_body, body, content_type, self._limits)
+            prepare_s = time.perf_counter() - prepare_started
+            self._metrics.prepare_duration.observe(prepare_s)
+            scan_id = await self._record(user_id, scan_input)
+        except BaseException:
+            ticket.release()
+            raise
+        timings = {"prepare_ms": round(prepare_s * 1000, 1)}
+        scan = AcceptedScan(scan_id, user_id, scan_input, ticket, received_at, timings)
+        return self._pipeline.start(scan)
+
+    async def _admit(self, user_key: str) -> Ticket:
+        try:
+            return await self._admission.admit(user_key)
+        except Exception as exc:
+            self._metrics.admission_rejected.labels(getattr(exc, "code", "error")).inc()
+            raise
+
+    async def _record(self, user_id: str | None, scan_input: ScanInput) -> uuid.UUID:
+        scan_id = uuid.uuid4()
+        try:
+            await self._store.create(
+                scan_id,
+                user_id=user_id,
+                image_source=scan_input.source,
+                image_sha256=scan_input.image.sha256 if scan_input.image else None,
+                user_input=scan_input.user_input,
+            )
+        except DatabaseError:
+            raise DatabaseUnavailable() from None
+        return scan_id
+
+
+def _user_id(request: Request) -> str | None:
+    value = request.headers.get("x-user-id")
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    if len(value) > MAX_USER_ID_CHARS or not value.isprintable():
+        raise InvalidRequest(f"X-User-ID must be printable and at most {MAX_USER_ID_CHARS} characters.")
+    return value
+
+
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The body, capped at `limit`; returned as the buffer it was read into (no copy)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise PayloadTooLarge()
+    return body

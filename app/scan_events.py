@@ -1,0 +1,125 @@
+"""Domain events of a scan and the per-scan log they go to.
+
+The pipeline publishes plain event objects; `EventLog` stamps each with its `seq`
+(1, 2, 3...) and the scan's `progress` (0-100, never decreasing) and keeps them in
+order. Readers follow the log from any position (`follow`), so a stream can start late,
+and a later store or replay reads the same entries. Only `app/streaming.py` knows the
+wire format (SSE).
+
+    StageStarted     {"status": "started"}
+    StageCompleted   {"status": "completed", "duration_ms", ...the stage's fields}
+    AnswerDelta      {"text"}
+    ScanDone         terminal success: the result fields and `timings`
+    ScanErrored      terminal failure: {"code", "message", "retryable"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class ScanEvent:
+    kind: ClassVar[str]  # the SSE event name
+    terminal: ClassVar[bool] = False
+    step: str
+
+    def fields(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True, slots=True)
+class StageStarted(ScanEvent):
+    kind = "stage"
+
+    def fields(self) -> dict[str, Any]:
+        return {"status": "started"}
+
+
+@dataclass(frozen=True, slots=True)
+class StageCompleted(ScanEvent):
+    kind = "stage"
+    duration_ms: float
+    result: dict[str, Any]
+
+    def fields(self) -> dict[str, Any]:
+        return {"status": "completed", "duration_ms": self.duration_ms, **self.result}
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerDelta(ScanEvent):
+    kind = "delta"
+    text: str
+
+    def fields(self) -> dict[str, Any]:
+        return {"text": self.text}
+
+
+@dataclass(frozen=True, slots=True)
+class ScanDone(ScanEvent):
+    kind = "done"
+    terminal = True
+    result: dict[str, Any]
+    timings: dict[str, float]
+
+    def fields(self) -> dict[str, Any]:
+        return {**self.result, "timings": self.timings}
+
+
+@dataclass(frozen=True, slots=True)
+class ScanErrored(ScanEvent):
+    kind = "error"
+    terminal = True
+    code: str
+    message: str
+    retryable: bool
+
+    def fields(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "retryable": self.retryable}
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    seq: int
+    progress: int
+    event: ScanEvent
+
+
+@dataclass
+class EventLog:
+    """Append-only, in order; readers are woken on every append."""
+
+    entries: list[LogEntry] = field(default_factory=list)
+    progress: int = 0
+    _appended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.entries) and self.entries[-1].event.terminal
+
+    def append(self, event: ScanEvent, progress: int | None = None) -> LogEntry:
+        if self.closed:
+            raise RuntimeError(f"{event.kind} after the terminal event")
+        if progress is not None:
+            self.progress = max(self.progress, min(100, progress))
+        entry = LogEntry(len(self.entries) + 1, self.progress, event)
+        self.entries.append(entry)
+        # Wake everyone waiting, then start a fresh event for the next append.
+        appended, self._appended = self._appended, asyncio.Event()
+        appended.set()
+        return entry
+
+    async def follow(self, after_seq: int = 0) -> AsyncIterator[LogEntry]:
+        """Entries after `after_seq`, waiting for new ones, until the terminal one."""
+        position = after_seq
+        while True:
+            while position < len(self.entries):
+                entry = self.entries[position]
+                position += 1
+                yield entry
+                if entry.event.terminal:
+                    return
+            await self._appended.wait()
