@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +25,7 @@ from app.acceptance import ScanAcceptance
 from app.database import EmbeddedPostgres, apply_migrations, bundled_migrations, create_pool
 from app.images import ImageLimits
 from app.limits.admission import Admission
-from app.limits.clock import MonotonicClock
+from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
 from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
@@ -38,6 +38,7 @@ from app.scan_store import ScanStore
 from app.settings import Settings
 from app.stage_runner import StageRunner
 from app.stages.answer import AnswerStage
+from app.stages.results import Character
 from app.stages.reward import RewardStage
 from app.stages.rule import RuleBook
 from app.stages.vision import VisionStage
@@ -78,81 +79,11 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
     clock = MonotonicClock()
     async with AsyncExitStack() as stack:
         dsn = await _database(settings, stack)
-        pool = await create_pool(
-            dsn,
-            min_size=settings.db_pool_min,
-            max_size=settings.db_pool_max,
-            timeout_s=settings.db_timeout_s,
-        )
-        stack.push_async_callback(pool.close)
-        async with pool.acquire() as conn:
-            applied = await apply_migrations(conn, bundled_migrations())
-            if applied:
-                log.info("migrations applied: %s", ", ".join(applied))
-            taxonomy = await load_taxonomy(conn)
-            characters = await RewardStage.load_characters(conn)
-
-        rules = RuleBook(
-            pool,
-            recyclable=taxonomy.recyclable,
-            ttl_s=settings.rules_cache_ttl_s,
-            timeout_s=settings.db_timeout_s,
-        )
-        await rules.start_listening(dsn)
-        stack.push_async_callback(rules.close)
-
-        base_url, api_key, simulator = await _upstream_endpoint(settings, stack)
-        timeout = httpx.Timeout(
-            connect=settings.openai_connect_timeout_s,
-            read=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
-            write=settings.openai_connect_timeout_s,
-            pool=settings.openai_connect_timeout_s,
-        )
-        client = openai.AsyncOpenAI(
-            api_key=api_key,
-            base_url=base_url,
-            max_retries=0,  # our retry loop owns retries; the SDK's would bypass the budget
-            timeout=timeout,
-            # httpx's API over aiohttp's C HTTP parser (the SDK's own aiohttp option): with
-            # h11, parsing streamed chunks in pure Python was ~25% of the event loop.
-            http_client=openai.DefaultAioHttpClient(
-                timeout=timeout,
-                limits=httpx.Limits(
-                    max_connections=UPSTREAM_MAX_CONNECTIONS, max_keepalive_connections=UPSTREAM_MAX_KEEPALIVE
-                ),
-            ),
-        )
-        stack.push_async_callback(client.close)
-        # The SDK imports its resource modules on first attribute access: ~0.5 s of
-        # imports that would otherwise stall the event loop inside the first scan.
-        _ = client.chat.completions.with_raw_response
-
-        budgets = {
-            model: RateBudget(
-                rpm=settings.openai_rpm,
-                tpm=settings.openai_tpm,
-                burst_fraction=settings.rate_burst_fraction,
-                clock=clock,
-                name=model,
-            )
-            for model in {settings.vision_model, settings.answer_model}
-        }
-        gates = {
-            "vision": StageGate("vision", settings.vision_concurrency),
-            "answer": StageGate("answer", settings.answer_concurrency),
-        }
-        upstream = Upstream(
-            client,
-            budgets=budgets,
-            gates=gates,
-            retry=RetryPolicy(
-                max_attempts=settings.retry_max_attempts,
-                base_delay_s=settings.retry_base_delay_s,
-                max_delay_s=settings.retry_max_delay_s,
-            ),
-            metrics=metrics,
-            clock=clock,
-        )
+        pool = await _pool(settings, dsn, stack)
+        taxonomy, characters = await _catalogue(pool)
+        rules = await _rule_book(settings, pool, taxonomy, dsn, stack)
+        client, base_url, simulator = await _openai_client(settings, stack)
+        upstream = _upstream(settings, client, metrics, clock)
         vision = VisionStage(
             upstream,
             taxonomy,
@@ -179,7 +110,6 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
         cpu.observers.append(metrics.observe_cpu_job)
         stack.callback(cpu.shutdown)
-
         store = ScanStore(pool)
         pipeline = ScanPipeline(
             runner,
@@ -192,28 +122,21 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         # Runs first on the way out: in-flight scans are cancelled and record their
         # rows while the pool, the client and the simulator are still open.
         stack.push_async_callback(pipeline.cancel_all)
-
         probe = asyncio.create_task(probe_loop_lag(metrics), name="loop-lag-probe")
         stack.callback(probe.cancel)
-        _bind_gauges(metrics, budgets, gates, cpu, upstream, admission)
+        _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission)
         input_limits = _input_limits(settings)
         acceptance = ScanAcceptance(
-            admission=admission,
-            cpu=cpu,
-            store=store,
-            pipeline=pipeline,
-            limits=input_limits,
-            metrics=metrics,
+            admission=admission, cpu=cpu, store=store, pipeline=pipeline, limits=input_limits, metrics=metrics
         )
-
         yield Resources(
             settings=settings,
             metrics=metrics,
             pool=pool,
             taxonomy=taxonomy,
             cpu=cpu,
-            budgets=budgets,
-            gates=gates,
+            budgets=dict(upstream.budgets),
+            gates=dict(upstream.gates),
             admission=admission,
             rules=rules,
             store=store,
@@ -223,6 +146,92 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             upstream_base_url=base_url,
             simulator=simulator,
         )
+
+
+async def _pool(settings: Settings, dsn: str, stack: AsyncExitStack) -> asyncpg.Pool[asyncpg.Record]:
+    pool = await create_pool(
+        dsn, min_size=settings.db_pool_min, max_size=settings.db_pool_max, timeout_s=settings.db_timeout_s
+    )
+    stack.push_async_callback(pool.close)
+    return pool
+
+
+async def _catalogue(pool: asyncpg.Pool[asyncpg.Record]) -> tuple[Taxonomy, list[Character]]:
+    """Migrations, then what the stages need from the database once: taxonomy, characters."""
+    async with pool.acquire() as conn:
+        applied = await apply_migrations(conn, bundled_migrations())
+        if applied:
+            log.info("migrations applied: %s", ", ".join(applied))
+        return await load_taxonomy(conn), await RewardStage.load_characters(conn)
+
+
+async def _rule_book(
+    settings: Settings,
+    pool: asyncpg.Pool[asyncpg.Record],
+    taxonomy: Taxonomy,
+    dsn: str,
+    stack: AsyncExitStack,
+) -> RuleBook:
+    rules = RuleBook(
+        pool,
+        recyclable=taxonomy.recyclable,
+        ttl_s=settings.rules_cache_ttl_s,
+        timeout_s=settings.db_timeout_s,
+    )
+    await rules.start_listening(dsn)
+    stack.push_async_callback(rules.close)
+    return rules
+
+
+async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[openai.AsyncOpenAI, str, Any]:
+    base_url, api_key, simulator = await _upstream_endpoint(settings, stack)
+    timeout = httpx.Timeout(
+        connect=settings.openai_connect_timeout_s,
+        read=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
+        write=settings.openai_connect_timeout_s,
+        pool=settings.openai_connect_timeout_s,
+    )
+    limits = httpx.Limits(
+        max_connections=UPSTREAM_MAX_CONNECTIONS, max_keepalive_connections=UPSTREAM_MAX_KEEPALIVE
+    )
+    client = openai.AsyncOpenAI(
+        api_key=api_key,
+        base_url=base_url,
+        max_retries=0,  # our retry loop owns retries; the SDK's would bypass the budget
+        timeout=timeout,
+        # httpx's API over aiohttp's C HTTP parser (the SDK's own aiohttp option): with
+        # h11, parsing streamed chunks in pure Python was ~25% of the event loop.
+        http_client=openai.DefaultAioHttpClient(timeout=timeout, limits=limits),
+    )
+    stack.push_async_callback(client.close)
+    # The SDK imports its resource modules on first attribute access: ~0.5 s of
+    # imports that would otherwise stall the event loop inside the first scan.
+    _ = client.chat.completions.with_raw_response
+    return client, base_url, simulator
+
+
+def _upstream(settings: Settings, client: openai.AsyncOpenAI, metrics: Metrics, clock: Clock) -> Upstream:
+    """One rate budget per model (two stages on one model share it), one gate per stage."""
+    budgets = {
+        model: RateBudget(
+            rpm=settings.openai_rpm,
+            tpm=settings.openai_tpm,
+            burst_fraction=settings.rate_burst_fraction,
+            clock=clock,
+            name=model,
+        )
+        for model in {settings.vision_model, settings.answer_model}
+    }
+    gates = {
+        "vision": StageGate("vision", settings.vision_concurrency),
+        "answer": StageGate("answer", settings.answer_concurrency),
+    }
+    retry = RetryPolicy(
+        max_attempts=settings.retry_max_attempts,
+        base_delay_s=settings.retry_base_delay_s,
+        max_delay_s=settings.retry_max_delay_s,
+    )
+    return Upstream(client, budgets=budgets, gates=gates, retry=retry, metrics=metrics, clock=clock)
 
 
 def _input_limits(settings: Settings) -> InputLimits:
@@ -269,8 +278,8 @@ async def _upstream_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple
 
 def _bind_gauges(
     metrics: Metrics,
-    budgets: dict[str, RateBudget],
-    gates: dict[str, StageGate],
+    budgets: Mapping[str, RateBudget],
+    gates: Mapping[str, StageGate],
     cpu: CpuLane,
     upstream: Upstream,
     admission: Admission,

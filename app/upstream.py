@@ -118,8 +118,8 @@ class Upstream:
         clock: Clock,
     ) -> None:
         self._client = client
-        self._budgets = budgets
-        self._gates = gates
+        self.budgets = budgets
+        self.gates = gates
         self._retry = retry
         self._metrics = metrics
         self._clock = clock
@@ -129,8 +129,8 @@ class Upstream:
     def predicted_wait(self, model: str, tokens: int, *, ahead: int) -> float:
         """How long a call of `tokens` would wait for `model`'s budget behind `ahead` calls
         (plus those queued at the stage gates, which have not reached the budget yet)."""
-        queued_at_gates = sum(g.waiting for g in self._gates.values())
-        return self._budgets[model].predicted_wait(tokens, ahead=ahead + queued_at_gates)
+        queued_at_gates = sum(g.waiting for g in self.gates.values())
+        return self.budgets[model].predicted_wait(tokens, ahead=ahead + queued_at_gates)
 
     async def complete(self, call: ChatCall, *, deadline: float) -> ChatResult:
         return await self._with_retries(call, deadline, None)
@@ -169,8 +169,8 @@ class Upstream:
     async def _attempt(
         self, call: ChatCall, deadline: float, on_text: OnText | None, result: ChatResult
     ) -> None:
-        budget = self._budgets[call.model]
-        gate = self._gates[call.stage]
+        budget = self.budgets[call.model]
+        gate = self.gates[call.stage]
         m = self._metrics
         async with gate.hold() as gate_wait:
             m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
