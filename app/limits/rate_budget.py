@@ -9,43 +9,34 @@ Design decisions:
 - `pause(seconds)` only blocks admission (it never shortens an existing pause). The buckets keep
   refilling while paused; they are capped at `burst_fraction` of a minute, so the burst after
   a pause is bounded. The FIFO queue keeps its order.
-- Learning the real refill rate: when the key is shared, the upstream still reports the full
-  `x-ratelimit-limit-*`, but its bucket refills for us only at (limit - others' use). Lowering
-  `remaining` alone then corrects the level on every response while our refill keeps running
-  ahead, which becomes a steady trickle of 429s once the upstream's minute-deep bucket is
-  drained. So the net refill rate is estimated from the headers, `(limit - remaining) /
-  reset`, smoothed, and adopted while it is below the configured and reported limits. Only
-  a substantial deficit (>= 10% of the limit) counts as evidence: a nearly full upstream
-  bucket says nothing about its refill rate, and OpenAI's reset values for tiny deficits are
-  unreliable (its own documented example shows `6m0s` for a 16-token deficit). With no
-  evidence the learned rate is dropped, so the budget recovers when the other user stops.
+- Feedback from the upstream never lifts the budget above its configuration: the effective
+  limit is the lower of the configured and the latest reported one, and a lower `remaining`
+  is adopted, a higher one ignored (the key may be shared with callers we cannot see).
+  Reading the headers is `rate_headers.py`; learning a shared key's net refill rate from
+  them is `rate_learning.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import re
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from app.limits.clock import Clock, MonotonicClock
+from app.limits.rate_headers import UpstreamSnapshot, lowercase_headers
+from app.limits.rate_learning import NetRateLearner
 
 __all__ = [
     "BudgetDeadlineExceeded",
     "BudgetError",
     "RateBudget",
     "Reservation",
-    "UpstreamSnapshot",
-    "parse_reset_duration",
+    "UpstreamSnapshot",  # the type of `RateBudget.last_upstream`, defined in rate_headers
 ]
 
 _EPS = 1e-6  # bucket amounts: a deficit this small counts as "fits" (float refill rounding)
 _EPS_T = 1e-9  # seconds: a wait this short counts as zero (FakeClock lands on exact times)
-
-_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s)")
 
 
 class BudgetError(Exception):
@@ -54,51 +45,6 @@ class BudgetError(Exception):
 
 class BudgetDeadlineExceeded(BudgetError):
     """The reservation could not be admitted before its deadline."""
-
-
-def parse_reset_duration(value: str) -> float | None:
-    """Parse OpenAI reset durations (`120ms`, `1s`, `6m0s`, `1m30.5s`, `0s`, or bare seconds).
-
-    Returns seconds, or None for anything unparseable.
-    """
-    text = value.strip().lower()
-    if not text:
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        pos, seconds = 0, 0.0
-        for match in _DURATION_PART.finditer(text):
-            if match.start() != pos:
-                return None
-            seconds += float(match.group(1)) * _UNITS[match.group(2)]
-            pos = match.end()
-        if pos != len(text):
-            return None
-    return seconds if math.isfinite(seconds) and seconds >= 0 else None
-
-
-def _parse_count(value: object) -> int | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        number = float(value.strip())
-    except ValueError:
-        return None
-    return int(number) if math.isfinite(number) and number >= 0 else None
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamSnapshot:
-    """The last rate-limit headers seen (None where missing or garbage)."""
-
-    observed_at: float
-    limit_requests: int | None
-    limit_tokens: int | None
-    remaining_requests: int | None
-    remaining_tokens: int | None
-    reset_requests: float | None
-    reset_tokens: float | None
 
 
 class Reservation:
@@ -137,6 +83,8 @@ class Reservation:
 
 
 class _Waiter:
+    """A queued reservation; `wake` is resolved when the budget changes under it."""
+
     __slots__ = ("tokens", "wake")
 
     def __init__(self, tokens: int) -> None:
@@ -145,6 +93,7 @@ class _Waiter:
 
 
 def _positive_int(name: str, value: object) -> int:
+    """A limit of zero would mean infinite waits, and bool is an int: refuse both by name."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
@@ -175,8 +124,7 @@ class RateBudget:
         self.name = name
         self._obs_rpm: int | None = None
         self._obs_tpm: int | None = None
-        self._learned_rpm: float | None = None  # net refill per minute learned from headers
-        self._learned_tpm: float | None = None
+        self._learned = NetRateLearner()  # net refill per minute learned from headers
         self._req = self._tok = math.inf
         self._apply_limits()  # clamps the buckets to capacity: they start full
         self._last = self._clock.now()
@@ -262,20 +210,11 @@ class RateBudget:
 
     def observe_headers(self, headers: Mapping[str, str]) -> None:
         """Learn from `x-ratelimit-*` response headers; only ever lowers the budget."""
-        try:
-            h = {str(k).lower(): v for k, v in headers.items()}
-        except Exception:
+        h = lowercase_headers(headers)
+        if h is None:
             return
-        get = h.get
-        snap = UpstreamSnapshot(
-            observed_at=self._refill(),  # refill at the old rates before anything changes
-            limit_requests=_parse_count(get("x-ratelimit-limit-requests")),
-            limit_tokens=_parse_count(get("x-ratelimit-limit-tokens")),
-            remaining_requests=_parse_count(get("x-ratelimit-remaining-requests")),
-            remaining_tokens=_parse_count(get("x-ratelimit-remaining-tokens")),
-            reset_requests=_parse_duration_header(get("x-ratelimit-reset-requests")),
-            reset_tokens=_parse_duration_header(get("x-ratelimit-reset-tokens")),
-        )
+        # Refill at the old rates before anything changes.
+        snap = UpstreamSnapshot.from_headers(h, observed_at=self._refill())
         self.last_upstream = snap
         before = (self._effective(), self._req, self._tok)
         # Effective limit = min(configured, latest observed); a limit of 0 is treated as garbage.
@@ -283,12 +222,7 @@ class RateBudget:
             self._obs_rpm = snap.limit_requests
         if snap.limit_tokens:
             self._obs_tpm = snap.limit_tokens
-        self._learned_rpm = _learn_rate(
-            self._learned_rpm, snap.limit_requests, snap.remaining_requests, snap.reset_requests
-        )
-        self._learned_tpm = _learn_rate(
-            self._learned_tpm, snap.limit_tokens, snap.remaining_tokens, snap.reset_tokens
-        )
+        self._learned.observe(snap)
         self._apply_limits()
         # The key is shared with callers we cannot see: adopt a lower remaining, never a higher.
         if snap.remaining_requests is not None:
@@ -354,13 +288,10 @@ class RateBudget:
     # ----- internals ----------------------------------------------------------------------
 
     def _effective(self) -> tuple[int, int]:
+        """The limits in force: configured, lowered by reported and then by learned ones."""
         rpm = min(self._cfg_rpm, self._obs_rpm or self._cfg_rpm)
         tpm = min(self._cfg_tpm, self._obs_tpm or self._cfg_tpm)
-        if self._learned_rpm is not None:
-            rpm = max(1, min(rpm, int(self._learned_rpm)))
-        if self._learned_tpm is not None:
-            tpm = max(1, min(tpm, int(self._learned_tpm)))
-        return rpm, tpm
+        return self._learned.cap(rpm, tpm)
 
     def _apply_limits(self) -> None:
         """Derive rates and capacities from the effective limits; clamp buckets to capacity."""
@@ -372,6 +303,7 @@ class RateBudget:
         self._tok = min(self._tok, self._cap_tok)
 
     def _refill(self) -> float:
+        """Bring both buckets up to now; everything that reads them calls this first."""
         now = self._clock.now()
         dt = now - self._last
         if dt > 0:
@@ -381,6 +313,7 @@ class RateBudget:
         return now
 
     def _fit_time(self, req: float, tok: float, tokens: int) -> float:
+        """Seconds until buckets at `req`/`tok` fit one request of `tokens`."""
         # Debt: an oversize demand waits only for a full bucket, then takes all it asked for.
         need_tok = min(float(tokens), self._cap_tok)
         d_req, d_tok = 1.0 - req, need_tok - tok
@@ -389,6 +322,7 @@ class RateBudget:
         return max(t_req, t_tok)
 
     def _head_wait(self, tokens: int) -> float:
+        """How long the head of the queue must still wait: the pause, or the refill."""
         now = self._refill()
         pause = self._paused_until - now
         wait = max(pause if pause > _EPS_T else 0.0, self._fit_time(self._req, self._tok, tokens))
@@ -407,10 +341,12 @@ class RateBudget:
         self._notify_head()
 
     def _check_deadline(self, wait: float, deadline: float | None) -> None:
+        """Refuse as soon as the wait is known to end late, rather than when it does."""
         if deadline is not None and self._clock.now() + wait > deadline + _EPS_T:
             raise BudgetDeadlineExceeded(f"{self.name}: predicted wait {wait:.3f}s ends after the deadline")
 
     def _notify_head(self) -> None:
+        """Wake the head to recompute its wait: the budget just changed under it."""
         if self._queue:
             wake = self._queue[0].wake
             if wake is not None and not wake.done():
@@ -425,6 +361,7 @@ class RateBudget:
                 self._notify_head()
 
     async def _sleep_or_wake(self, wake: asyncio.Future[None], seconds: float | None) -> None:
+        """Sleep on the clock (FakeClock in tests) until `seconds` pass or `wake` fires."""
         if seconds is None:
             await wake
             return
@@ -433,26 +370,3 @@ class RateBudget:
             await asyncio.wait((wake, sleeper), return_when=asyncio.FIRST_COMPLETED)
         finally:
             sleeper.cancel()
-
-
-_LEARN_MIN_DEFICIT = 0.10  # share of the limit missing upstream before reset says anything
-_LEARN_WEIGHT = 0.2  # EWMA weight of a new observation
-
-
-def _learn_rate(
-    previous: float | None, limit: int | None, remaining: int | None, reset_s: float | None
-) -> float | None:
-    """Smoothed net refill per minute implied by one response's headers (see module doc)."""
-    if limit is None or remaining is None or reset_s is None:
-        return previous
-    deficit = limit - remaining
-    if deficit < _LEARN_MIN_DEFICIT * limit:
-        return None  # nearly full upstream: no evidence of a constraint
-    if reset_s <= 0:
-        return previous
-    per_minute = deficit / reset_s * 60.0
-    return per_minute if previous is None else previous + _LEARN_WEIGHT * (per_minute - previous)
-
-
-def _parse_duration_header(value: object) -> float | None:
-    return parse_reset_duration(value) if isinstance(value, str) else None
