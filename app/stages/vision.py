@@ -54,6 +54,8 @@ class VisionStage:
         }
         # The schema is part of the prompt OpenAI counts; constant, so priced once.
         self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
+        # Asked on every admission: priced once.
+        self._typical_tokens = self.typical_call_tokens()
 
     def typical_call_tokens(self) -> int:
         """Tokens a typical call reserves (an uploaded photo, no note): admission's yardstick."""
@@ -96,7 +98,7 @@ class VisionStage:
 
     def predicted_budget_wait(self, owed_calls: int) -> float:
         """How long a new scan's vision call would wait for the budget: admission's test."""
-        return self._upstream.predicted_wait(self._shape.model, self.typical_call_tokens(), ahead=owed_calls)
+        return self._upstream.predicted_wait(self._shape.model, self._typical_tokens, ahead=owed_calls)
 
     async def run(self, ctx: ScanContext) -> VisionResult:
         call = self.build_call(ctx.scan.input, safety_id=ctx.safety_id)
