@@ -23,7 +23,6 @@ from httpx_sse import aconnect_sse
 
 from app.database import apply_migrations, bundled_migrations
 from app.images import prepare_image
-from app.sim.generate import generate_content
 from app.sim.server import RunningSimulator
 
 from .conftest import (
@@ -174,23 +173,18 @@ async def test_a_stream_that_stalls_on_every_attempt_ends_with_upstream_timeout(
 
 @pytest.mark.parametrize(("stage", "kind"), [("vision", "vision"), ("answer", "text")])
 async def test_a_reply_that_is_not_the_expected_json_is_a_bad_response(
-    service: Service,
-    sim: RunningSimulator,
-    db: asyncpg.Connection,
-    monkeypatch: pytest.MonkeyPatch,
-    stage: str,
-    kind: str,
+    service: Service, sim: RunningSimulator, db: asyncpg.Connection, stage: str, kind: str
 ) -> None:
-    # The simulator has no knob for this (its replies always follow the schema sent), so
-    # its content generator is swapped for this test; the reply still travels as real HTTP.
-    def not_json(request: Any, text_tokens: int, seed: int) -> str:
-        content = generate_content(request, text_tokens, seed)
-        return "분류할 수 없습니다." if request.kind == kind else content
-
-    monkeypatch.setattr("app.sim.completions.generate_content", not_json)
+    # The stage's one call gets valid JSON that ignores the schema (what a server that
+    # does not enforce it returns), with finish `stop`: only parsing the content finds it.
+    await sim_configure(sim, malformed_next=1, malformed_kinds=[kind])
     outcome = await run_scan(service.client, **photo(44))
     await assert_failed(outcome, db, step=stage, code="UPSTREAM_BAD_RESPONSE", retryable=True)
     assert outcome.of("delta") == []
+    counters = await sim_stats(sim)
+    # Bad content is not retried: the one call got it and nothing was left pending.
+    assert counters["malformed_injected"] == 1
+    assert counters["by_kind"] == {"vision": 1, "text": 1 if stage == "answer" else 0}
 
 
 # ----- the CPU lane ------------------------------------------------------------------

@@ -12,13 +12,23 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionContentPartParam, ChatCompletionMessageParam
 
+from app.sim.__main__ import build_parser, config_from_args
 from app.sim.config import SimConfig
 from app.sim.images import patch_count
 from app.sim.models import family_for, listed_models
 from app.sim.reply import REFUSAL_TEXT
 from app.sim.server import RunningSimulator, run_simulator
 from app.sim.tokens import split_tokens
-from tests.test_sim import TEXT_MESSAGES, configure, image_url, stats
+from tests.test_sim import (
+    SCHEMA,
+    TEXT_MESSAGES,
+    configure,
+    image_url,
+    schema_format,
+    stats,
+    validate,
+    vision_messages,
+)
 
 Detail = Literal["low", "high", "auto"]
 
@@ -358,6 +368,30 @@ async def test_truncate_knob_ends_the_stream_without_a_finish(
     assert counters["truncations_injected"] == 2 and counters["streams_cancelled"] == 0
 
 
+async def test_malformed_knob_ignores_the_schema_once(
+    sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient
+) -> None:
+    schema_call = {"messages": vision_messages(image_url((9, 9, 9))), "response_format": schema_format()}
+    await configure(sim_http, malformed_next=1, malformed_kinds=["vision"])
+    # The kind must match, and without a schema there is nothing to ignore: both pending.
+    await create(sdk, "gpt-4o-mini", response_format=schema_format())
+    await create(sdk, "gpt-4o-mini", messages=vision_messages(image_url((9, 9, 9))))
+    assert (await sim_http.get("/sim/config")).json()["malformed_next"] == 1
+    bad = await create(sdk, "gpt-4o-mini", **schema_call)
+    content = bad.choices[0].message.content or ""
+    assert bad.choices[0].finish_reason == "stop"
+    assert list(json.loads(content)) == ["answer"]  # parses, but not the schema's shape
+    assert bad.usage is not None and bad.usage.completion_tokens == len(split_tokens(content))
+    good = json.loads((await create(sdk, "gpt-4o-mini", **schema_call)).choices[0].message.content or "")
+    validate(good, SCHEMA, SCHEMA)  # consumed once: the next call follows the schema again
+    await configure(sim_http, malformed_next=1)
+    streamed = await stream_reply(sdk, "gpt-4o-mini", **schema_call)
+    assert (streamed["content"], streamed["finish"]) == (content, ["stop"])
+    counters = await stats(sim_http)
+    assert counters["malformed_injected"] == 2
+    assert (await sim_http.get("/sim/config")).json()["malformed_next"] == 0
+
+
 async def test_request_capture(
     sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient, sim_server: RunningSimulator
 ) -> None:
@@ -384,10 +418,23 @@ def test_new_knobs_from_env_and_validation() -> None:
             "SIM_TRUNCATE_NEXT": "3",
             "SIM_REASONING_SCALE": "0.5",
             "SIM_CAPTURE_REQUESTS": "10",
+            "SIM_MALFORMED_NEXT": "2",
+            "SIM_MALFORMED_KINDS": "text",
         }
     )
     assert (config.refuse_next, config.content_filter_kinds) == (1, ("vision",))
     assert (config.truncate_next, config.reasoning_scale, config.capture_requests) == (3, 0.5, 10)
-    for bad in ({"refuse_next": -1}, {"truncate_kinds": ["audio"]}, {"reasoning_scale": -1.0}):
+    assert (config.malformed_next, config.malformed_kinds) == (2, ("text",))
+    bads: list[dict[str, Any]] = [
+        {"refuse_next": -1},
+        {"truncate_kinds": ["audio"]},
+        {"reasoning_scale": -1.0},
+        {"malformed_next": -1},
+        {"malformed_kinds": ["audio"]},
+    ]
+    for bad in bads:
         with pytest.raises(ValueError, match=next(iter(bad))):
             SimConfig().updated(bad)
+    args = build_parser().parse_args(["--malformed-next", "4", "--malformed-kinds", "vision"])
+    merged = config_from_args(args, {"SIM_MALFORMED_NEXT": "1"})
+    assert (merged.malformed_next, merged.malformed_kinds) == (4, ("vision",))

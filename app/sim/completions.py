@@ -10,7 +10,7 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from app.sim.errors import QUOTA_BODY, SERVER_ERROR_BODY, InvalidRequest, error_body
-from app.sim.generate import generate_content
+from app.sim.generate import generate_content, unenforced_content
 from app.sim.latency import plan_stream
 from app.sim.ratelimit import ORGANIZATION, Header, format_duration, retry_headers
 from app.sim.reasoning import reasoning_tokens
@@ -28,6 +28,7 @@ _FAULT_COUNTERS = {
     "refuse": "refusals_injected",
     "content_filter": "content_filters_injected",
     "truncate": "truncations_injected",
+    "malformed": "malformed_injected",
 }
 
 _JSON = (b"content-type", b"application/json")
@@ -155,10 +156,13 @@ class ChatCompletions:
         """Reasoning, the cap and at most one injected 200-path fault (counted in stats)."""
         state = self.state
         config = state.config
-        fault = state.take_reply_fault(request.kind, request.stream)
+        schema_bound = request.format_type == "json_schema" and bool(request.schema)
+        fault = state.take_reply_fault(request.kind, request.stream, schema_bound)
         if fault is not None:
             counter = _FAULT_COUNTERS[fault]
             setattr(state.stats, counter, getattr(state.stats, counter) + 1)
+        if fault == "malformed":
+            content = unenforced_content(request, config.text_tokens, config.seed)
         drawn = reasoning_tokens(request.digest, request.effort, config.seed, config.reasoning_scale)
         return plan_reply(content, fault, request.cap, drawn)
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 KINDS = ("vision", "text")
+# The 200-path faults, in the order one request takes them (at most one each).
+REPLY_FAULTS = ("refuse", "content_filter", "truncate", "malformed")
 ENV_PREFIX = "SIM_"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -42,13 +44,19 @@ class SimConfig:
     reject_retry_after_ms: int = 1000
     reject_kinds: tuple[str, ...] = KINDS
     # 200-path faults, each consumed by one matching request like reject_next:
-    # a refusal, a reply cut by the content filter, a stream that just ends.
+    # a refusal, a reply cut by the content filter, a stream that just ends, a reply
+    # that ignores the request's JSON schema.
     refuse_next: int = 0
     refuse_kinds: tuple[str, ...] = KINDS
     content_filter_next: int = 0
     content_filter_kinds: tuple[str, ...] = KINDS
     truncate_next: int = 0  # streamed requests only
     truncate_kinds: tuple[str, ...] = KINDS
+    # Requests with a json_schema response_format only: the reply is valid JSON that does
+    # not follow the schema (what JSON mode, a non-strict schema or a compatible server
+    # that does not enforce schemas returns; see generate.unenforced_content).
+    malformed_next: int = 0
+    malformed_kinds: tuple[str, ...] = KINDS
     # Multiplies the reasoning tokens drawn per effort (0: reasoning models spend none).
     reasoning_scale: float = 1.0
     # How many of the latest request bodies GET /sim/requests keeps (0: none).
@@ -80,7 +88,7 @@ class SimConfig:
         _at_least("reject_next", self.reject_next, 0)
         _at_least("reject_retry_after_ms", self.reject_retry_after_ms, 0)
         _kinds("reject_kinds", self.reject_kinds)
-        for fault in ("refuse", "content_filter", "truncate"):
+        for fault in REPLY_FAULTS:
             _at_least(f"{fault}_next", getattr(self, f"{fault}_next"), 0)
             _kinds(f"{fault}_kinds", getattr(self, f"{fault}_kinds"))
         _at_least("reasoning_scale", self.reasoning_scale, 0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -39,6 +40,21 @@ def generate_content(request: ChatRequest, text_tokens: int, seed: int) -> str:
         answer = {"answer": korean_text(rng, text_tokens)}
         return json.dumps(answer, ensure_ascii=False, separators=(",", ":"))
     return korean_text(rng, text_tokens)
+
+
+def unenforced_content(request: ChatRequest, text_tokens: int, seed: int) -> str:
+    """The reply to a json_schema ``request`` when the schema is not enforced (``malformed_next``).
+
+    Strict structured outputs never do this on OpenAI: with finish ``stop`` the content
+    always matches the schema. Without enforcement — JSON mode (``json_object``), a
+    non-strict schema, or a compatible server that treats ``json_schema`` as JSON mode —
+    the model only promises JSON that parses, and will pick keys of its own. So this is
+    JSON mode's reply (valid JSON, not the schema's shape) rather than broken JSON: JSON
+    mode's content is only cut short with finish ``length``, which the cap already models.
+    (A schema that accepts an object with just a string ``answer`` would accept it.)
+    """
+    unbound = dataclasses.replace(request, format_type="json_object", schema=None)
+    return generate_content(unbound, text_tokens, seed)
 
 
 def generate_document(schema: dict[str, Any], rng: random.Random, text_tokens: int) -> Any:

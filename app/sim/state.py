@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from app.sim.config import SimConfig
+from app.sim.config import REPLY_FAULTS, SimConfig
 from app.sim.latency import sample_latency
 from app.sim.ratelimit import RateLimiter
 from app.sim.stats import SimStats
@@ -79,13 +79,15 @@ class SimState:
     def take_reject(self, kind: str) -> bool:
         return self.take_fault("reject", kind)
 
-    def take_reply_fault(self, kind: str, stream: bool) -> str | None:
-        """At most one 200-path fault per request: refuse, content_filter, then truncate.
+    def take_reply_fault(self, kind: str, stream: bool, schema_bound: bool) -> str | None:
+        """At most one 200-path fault per request, taken in ``REPLY_FAULTS`` order.
 
-        ``truncate`` only shapes streams, so a non-streamed request leaves it pending.
+        ``truncate`` only shapes streams and ``malformed`` only replies bound by a JSON
+        schema, so a request they cannot shape leaves them pending.
         """
-        for fault in ("refuse", "content_filter", "truncate"):
-            if (stream or fault != "truncate") and self.take_fault(fault, kind):
+        applies = {"truncate": stream, "malformed": schema_bound}
+        for fault in REPLY_FAULTS:
+            if applies.get(fault, True) and self.take_fault(fault, kind):
                 return fault
         return None
 

@@ -29,6 +29,7 @@ class SimStats:
         self.refusals_injected = 0
         self.content_filters_injected = 0
         self.truncations_injected = 0
+        self.malformed_injected = 0
 
     def count_status(self, status: int) -> None:
         key = str(status)
@@ -55,4 +56,5 @@ class SimStats:
             "refusals_injected": self.refusals_injected,
             "content_filters_injected": self.content_filters_injected,
             "truncations_injected": self.truncations_injected,
+            "malformed_injected": self.malformed_injected,
         }
