@@ -10,17 +10,24 @@ Invalidation: a trigger on `disposal_rules` sends NOTIFY on every change and a
 dedicated LISTEN connection drops the cache; the TTL bounds staleness should that
 connection ever be down. A generation counter keeps a lookup that raced an
 invalidation from storing what it read before the change.
+
+The LISTEN connection dies with its backend (PostgreSQL restart, failover,
+pg_terminate_backend). asyncpg's termination listener tells us, and a background
+task reconnects with exponential backoff. While it is down no NOTIFY can reach us,
+so cached rules live at most `LISTENER_DOWN_TTL_S`; once it is back the cache is
+dropped, since changes made meanwhile were never announced to us.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
 from typing import Any
 
 import asyncpg
 
 from app.errors import DatabaseError
+from app.limits.clock import Clock, MonotonicClock
 from app.scan_context import ScanContext
 from app.scan_store import DB_ERRORS
 from app.stages.results import RuleMatch
@@ -29,6 +36,15 @@ from app.taxonomy import Classification
 log = logging.getLogger(__name__)
 
 CHANNEL = "disposal_rules_changed"
+
+# Reconnect delays after a lost LISTEN connection: the first attempt is immediate (a
+# killed backend comes back at once), then 0.5 s doubling up to 10 s, so a restarting
+# server is not hammered and a long outage is still noticed within 10 s of its end.
+LISTENER_INITIAL_BACKOFF_S = 0.5
+LISTENER_MAX_BACKOFF_S = 10.0
+# How long a cached rule may be served while no NOTIFY can reach us: bounds staleness
+# during an outage without turning every scan into a rule query.
+LISTENER_DOWN_TTL_S = 5.0
 
 
 _EXACT = (
@@ -57,25 +73,48 @@ class RuleBook:
         recyclable: frozenset[str],
         ttl_s: float,
         timeout_s: float,
+        clock: Clock | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self._pool = pool
         self._recyclable = recyclable
         self._ttl_s = ttl_s
+        self._clock = clock or MonotonicClock()
+        # key -> (when it was read, what was read): freshness is judged when read back,
+        # so entries cached before the listener went down get the short TTL too.
         self._cache: dict[tuple[str, str | None, str | None], tuple[float, RuleMatch]] = {}
         self._generation = 0
+        self._dsn: str | None = None
         self._listener: asyncpg.Connection | None = None
+        self._reconnecting: asyncio.Task[None] | None = None
+        self._closed = False
         self.hits = 0
         self.misses = 0
 
+    @property
+    def listening(self) -> bool:
+        """True while a NOTIFY can reach the cache (the `ecoscan_rules_listener_up` gauge).
+        `is_closed()` catches a connection that died without telling us."""
+        return self._listener is not None and not self._listener.is_closed()
+
     async def start_listening(self, dsn: str) -> None:
-        self._listener = await asyncpg.connect(dsn)
-        await self._listener.add_listener(CHANNEL, self._on_notify)
+        """Open the LISTEN connection. A failure propagates, so start-up fails loudly
+        instead of serving from a cache that nothing invalidates; later losses are
+        repaired in the background."""
+        self._dsn = dsn
+        self._listener = await self._connect_listener(dsn)
 
     async def close(self) -> None:
+        """Stop listening in bounded time: stop any reconnect in progress, then close
+        the connection gracefully for at most `timeout_s`, else drop it."""
+        self._closed = True
+        task, self._reconnecting = self._reconnecting, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task}, timeout=self.timeout_s)
         if self._listener is not None:
             listener, self._listener = self._listener, None
-            await listener.close()
+            await _close_bounded(listener, self.timeout_s)
 
     def invalidate(self) -> None:
         self._generation += 1
@@ -84,6 +123,74 @@ class RuleBook:
     def _on_notify(self, *_args: object) -> None:
         log.info("disposal rules changed: rule cache cleared")
         self.invalidate()
+
+    async def _connect_listener(self, dsn: str) -> asyncpg.Connection:
+        """A connection that LISTENs on `CHANNEL` and reports its own death; every step
+        bounded by `timeout_s` so a hung server cannot stall start-up or a reconnect."""
+        # The DSN carries the process's instance tag as application_name (how other
+        # processes see this one is alive); keep it.
+        conn = await asyncpg.connect(dsn, timeout=self.timeout_s)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await conn.add_listener(CHANNEL, self._on_notify)
+        except BaseException:
+            conn.terminate()
+            raise
+        conn.add_termination_listener(self._on_listener_terminated)
+        return conn
+
+    def _on_listener_terminated(self, conn: object) -> None:
+        # asyncpg calls this for our own close() too, and for connections already replaced.
+        if conn is self._listener:
+            self._listener_lost()
+
+    def _notice_dead_listener(self) -> None:
+        """Belt and braces for a connection closed without its termination callback."""
+        if self._listener is not None and self._listener.is_closed():
+            self._listener_lost()
+
+    def _listener_lost(self) -> None:
+        self._listener = None
+        if self._closed or self._reconnecting is not None or self._dsn is None:
+            return
+        log.warning(
+            "rule cache listener connection lost: reconnecting; cached rules live at most %g s meanwhile",
+            self._fresh_for(),
+        )
+        self._reconnecting = asyncio.create_task(self._reconnect(self._dsn), name="rule-listener-reconnect")
+
+    async def _reconnect(self, dsn: str) -> None:
+        """Retry until the listener is back (or `close()` cancels us), then drop the cache:
+        whatever changed while we were deaf was never announced."""
+        lost_at = self._clock.now()
+        backoff = LISTENER_INITIAL_BACKOFF_S
+        attempts = 1
+        try:
+            while (conn := await self._try_connect_listener(dsn)) is None:
+                await self._clock.sleep(backoff)
+                backoff = min(backoff * 2, LISTENER_MAX_BACKOFF_S)
+                attempts += 1
+            self._listener = conn
+            self.invalidate()
+            log.info(
+                "rule cache listener reconnected after %d attempt(s), %.1f s down: rule cache cleared",
+                attempts,
+                self._clock.now() - lost_at,
+            )
+        finally:
+            self._reconnecting = None
+
+    async def _try_connect_listener(self, dsn: str) -> asyncpg.Connection | None:
+        try:
+            return await self._connect_listener(dsn)
+        except Exception as exc:  # any failure is a reason to retry: giving up would leave the cache deaf
+            log.debug("rule cache listener: reconnect failed: %s: %s", type(exc).__name__, exc)
+            return None
+
+    def _fresh_for(self) -> float:
+        """How long a cached rule may be served now: the full TTL while NOTIFY can
+        invalidate it, a short one while it cannot."""
+        return self._ttl_s if self.listening else min(self._ttl_s, LISTENER_DOWN_TTL_S)
 
     async def run(self, ctx: ScanContext) -> RuleMatch:
         try:
@@ -101,17 +208,18 @@ class RuleBook:
         return 0.0
 
     async def find(self, c: Classification) -> RuleMatch:
+        self._notice_dead_listener()
         key = (c.major, c.middle, c.minor)
         cached = self._cache.get(key)
-        now = time.monotonic()
-        if cached is not None and cached[0] > now:
+        now = self._clock.now()
+        if cached is not None and now - cached[0] < self._fresh_for():
             self.hits += 1
             return cached[1]
         self.misses += 1
         generation = self._generation
         match = await self._lookup(c)
         if generation == self._generation and self._ttl_s > 0:
-            self._cache[key] = (now + self._ttl_s, match)
+            self._cache[key] = (now, match)
         return match
 
     async def _lookup(self, c: Classification) -> RuleMatch:
@@ -130,6 +238,16 @@ class RuleBook:
                     return _match(row, "major")
         where = f"{c.major} > {c.middle}" if c.middle else c.major
         return RuleMatch(None, None, None, reason=f"'{where}'에 대한 배출 규칙이 등록되어 있지 않습니다.")
+
+
+async def _close_bounded(conn: asyncpg.Connection, timeout_s: float) -> None:
+    """Close gracefully if the server answers within `timeout_s`; otherwise just drop
+    the socket, so shutdown never waits on an unresponsive server."""
+    try:
+        await conn.close(timeout=timeout_s)
+    except Exception as exc:  # timeout, dead socket, server error: terminate() is the fallback for all
+        log.debug("rule cache listener: graceful close failed (%s): terminating", type(exc).__name__)
+        conn.terminate()
 
 
 def _match(row: asyncpg.Record, matched_by: str) -> RuleMatch:
