@@ -10,9 +10,16 @@ from __future__ import annotations
 import time
 import uuid
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from app.errors import DatabaseError, DatabaseUnavailable, InvalidRequest, PayloadTooLarge
+from app.errors import (
+    ClientDisconnected,
+    DatabaseError,
+    DatabaseUnavailable,
+    InvalidRequest,
+    PayloadTooLarge,
+    ServerShuttingDown,
+)
 from app.limits.admission import Admission, Ticket
 from app.limits.cpu_lane import CpuLane
 from app.metrics import Metrics
@@ -22,6 +29,9 @@ from app.scan_input import InputLimits, ScanInput, parse_scan_body, request_kind
 from app.scan_store import ScanStore
 
 MAX_USER_ID_CHARS = 128
+# A draining replica asks clients to come back soon: by then the load balancer sends
+# them to another one.
+SHUTTING_DOWN_RETRY_AFTER_S = 2.0
 
 
 class ScanAcceptance:
@@ -44,6 +54,8 @@ class ScanAcceptance:
 
     async def accept(self, request: Request) -> ScanRun:
         received_at = time.perf_counter()
+        if not self._pipeline.accepting:
+            raise ServerShuttingDown(retry_after_s=SHUTTING_DOWN_RETRY_AFTER_S)
         content_type = request.headers.get("content-type", "")
         request_kind(content_type)  # 415 before reading anything
         user_id = _user_id(request)
@@ -100,8 +112,11 @@ async def _read_body(request: Request, limit: int) -> bytearray:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge()
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise PayloadTooLarge()
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
     return body

@@ -6,13 +6,15 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     ├── RequestRejected          client mistakes: 4xx JSON before any stream
     │   ├── ImageMissing, ImageInvalid, ImageTypeUnsupported, ImageTooLarge,
     │   │   ImageTooManyPixels, PayloadTooLarge, InvalidRequest, UserInputTooLong,
-    │   │   ContentTypeUnsupported
+    │   │   ContentTypeUnsupported, ClientDisconnected (499: gone before its body was read)
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
-    │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated
+    │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
+    │   │   DatabaseUnavailable, ServerShuttingDown
     └── ScanFailed               after the stream started: an SSE `error` event
         ├── UpstreamError, UpstreamRateLimited, UpstreamQuotaExhausted, UpstreamRejected,
         │   UpstreamBadResponse, UpstreamTimeout, UpstreamTokenLimit, UpstreamRefused,
         │   UpstreamContentFiltered, StageTimeout, ScanDeadlineExceeded
+        ├── ServerShutdown, ProcessLost
         └── DatabaseError, InternalError
 
 Messages are written for the client; internal details go to the log only.
@@ -111,6 +113,15 @@ class NotFound(RequestRejected):
     default_message = "Not found."
 
 
+class ClientDisconnected(RequestRejected):
+    """The client went away while its request was being read: an ordinary event, logged
+    in one line; the response (nginx's 499) is never seen by anyone."""
+
+    status = 499
+    code = "CLIENT_DISCONNECTED"
+    default_message = "The client disconnected before the request was read."
+
+
 # --- admission -------------------------------------------------------------------
 
 
@@ -150,6 +161,11 @@ class UserOverLimit(Overloaded):
 class DatabaseUnavailable(Overloaded):
     code = "DATABASE_UNAVAILABLE"
     default_message = "The database is unavailable; retry later."
+
+
+class ServerShuttingDown(Overloaded):
+    code = "SERVER_SHUTTING_DOWN"
+    default_message = "This server is shutting down; retry (another replica will take the scan)."
 
 
 # --- failures after the stream started -----------------------------------------------
@@ -224,6 +240,22 @@ class ScanDeadlineExceeded(ScanFailed):
     code = "SCAN_DEADLINE_EXCEEDED"
     retryable = True
     default_message = "The scan took longer than its deadline."
+
+
+class ServerShutdown(ScanFailed):
+    """The scan outlived the shutdown drain (`SHUTDOWN_DRAIN_S`)."""
+
+    code = "SERVER_SHUTDOWN"
+    retryable = True
+    default_message = "The server shut down before the scan finished; retry it."
+
+
+class ProcessLost(ScanFailed):
+    """The process running the scan died; a later start-up sweep recorded it."""
+
+    code = "PROCESS_LOST"
+    retryable = True
+    default_message = "The server running this scan stopped before it finished; retry it."
 
 
 class DatabaseError(ScanFailed):

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -15,11 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from app.errors import EcoscanError, Overloaded
+from app.drain import SignalRouter
+from app.errors import ClientDisconnected, EcoscanError, Overloaded
 from app.metrics import Metrics
 from app.resources import lifespan_resources
 from app.routes import router
 from app.settings import Settings
+from app.streaming import take_over_shutdown
 
 log = logging.getLogger("app")
 
@@ -31,8 +34,15 @@ def create_app(settings: Settings | None = None, *, metrics: Metrics | None = No
     async def lifespan(_app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         _configure_logging(settings.log_level)
         async with lifespan_resources(settings, metrics) as resources:
+            take_over_shutdown()
+            signals = SignalRouter(resources.drain, asyncio.get_running_loop())
+            if signals.install():
+                log.info("SIGTERM/SIGINT drain in-flight scans for up to %.0f s", settings.shutdown_drain_s)
             log.info("ecoscan ready")
-            yield {"resources": resources}
+            try:
+                yield {"resources": resources}
+            finally:
+                signals.restore()
 
     app = FastAPI(title="ecoscan", version="0.1.0", lifespan=lifespan)
     app.include_router(router)
@@ -50,6 +60,10 @@ def error_response(exc: EcoscanError) -> JSONResponse:
 def _install_error_handlers(app: FastAPI) -> None:
     async def ecoscan_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, EcoscanError)
+        if isinstance(exc, ClientDisconnected):
+            log.info(
+                "%s %s: the client disconnected while sending its request", request.method, request.url.path
+            )
         resources = getattr(request.state, "resources", None)
         if resources is not None and exc.status >= 400:
             resources.metrics.scans.labels("rejected", exc.code).inc()
@@ -65,8 +79,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": "The request is invalid.", "code": "INVALID_REQUEST"}, status_code=422)
 
-    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
+        resources = getattr(request.state, "resources", None)
+        if resources is not None:
+            resources.metrics.scans.labels("rejected", "INTERNAL_ERROR").inc()
         return JSONResponse({"detail": "Internal error.", "code": "INTERNAL_ERROR"}, status_code=500)
 
     app.add_exception_handler(EcoscanError, ecoscan_error)

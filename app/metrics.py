@@ -203,10 +203,23 @@ class Metrics:
         self.admission_in_use = Gauge(
             "ecoscan_admission_slots_in_use", "Admission slots held by scans (global cap).", registry=r
         )
+        self.scan_rows_deferred = Gauge(
+            "ecoscan_scan_rows_deferred",
+            "Terminal scan rows the database did not take yet; retried until it does.",
+            registry=r,
+        )
+        self.shutting_down = Gauge(
+            "ecoscan_shutting_down", "1 once the shutdown drain has begun (readiness is 503).", registry=r
+        )
         self.admission_rejected = Counter(
             "ecoscan_admission_rejected_total",
             "Scans refused before streaming.",
             ["reason"],
+            registry=r,
+        )
+        self.rules_listener_up = Gauge(
+            "ecoscan_rules_listener_up",
+            "1 while the rule cache's LISTEN connection is up; 0 while it reconnects (short cache TTL).",
             registry=r,
         )
 

@@ -18,19 +18,29 @@ import logging
 import time
 from collections.abc import Callable
 
-from app.errors import DatabaseError, EcoscanError, InternalError, ScanDeadlineExceeded
+from app.errors import (
+    ClientDisconnected,
+    DatabaseError,
+    EcoscanError,
+    InternalError,
+    ProcessLost,
+    ScanDeadlineExceeded,
+    ServerShutdown,
+)
 from app.limits.clock import Clock
 from app.metrics import Metrics
 from app.scan_context import AcceptedScan, ScanContext
 from app.scan_events import AnswerDelta, EventLog, ScanDone, ScanErrored
-from app.scan_store import ScanStore
+from app.scan_store import ScanStore, TerminalRow
 from app.stage_runner import PROGRESS_END, ScanProgress, StageRunner
 from app.upstream import safety_identifier
 
 log = logging.getLogger(__name__)
 
-_SHUTDOWN = ("server", "SERVER_SHUTDOWN", "The server shut down.")
-_CLIENT_GONE = ("client", "CLIENT_DISCONNECTED", "The client went away.")
+# Waiting for the database to take a finished scan's `completed` row: retried at this
+# pace until the scan's deadline, since `done` may only go out after that commit.
+COMMIT_FIRST_RETRY_S = 0.2
+COMMIT_MAX_RETRY_S = 2.0
 
 
 class ScanRun:
@@ -64,6 +74,7 @@ class ScanPipeline:
         self._clock = clock
         self._on_finished = on_finished
         self.running: set[asyncio.Task[None]] = set()
+        self.accepting = True
         self._shutting_down = False
 
     def start(self, scan: AcceptedScan) -> ScanRun:
@@ -73,8 +84,20 @@ class ScanPipeline:
         run.task.add_done_callback(self.running.discard)
         return run
 
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every running scan to end; True if they all did."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.running:
+                    await asyncio.wait(list(self.running))
+        except TimeoutError:
+            return False
+        return True
+
     async def cancel_all(self) -> None:
-        """Shutdown: cancel every scan and wait for their terminal rows."""
+        """Shutdown: end every scan still running with `SERVER_SHUTDOWN` (row, then
+        event) and wait for them."""
+        self.accepting = False
         self._shutting_down = True
         tasks = list(self.running)
         for task in tasks:
@@ -83,21 +106,19 @@ class ScanPipeline:
 
     async def _run(self, scan: AcceptedScan, events: EventLog) -> None:
         progress = ScanProgress(self._runner.stages[0].name, dict(scan.timings), {})
+        deadline = self._clock.now() + self._scan_deadline_s
         started = time.perf_counter()
         self._metrics.scans_in_flight.inc()
         outcome = "failed"
         try:
-            await self._stages(scan, events, progress)
-            progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
-            await self._store.finish(scan.id, "completed", result=progress.result, timings=progress.timings)
+            await self._stages(scan, events, progress, deadline)
+            await self._commit_completed(scan, progress, deadline)
             events.append(ScanDone("done", progress.result, progress.timings), 100)
             outcome = "completed"
             self._metrics.scans.labels("completed", "").inc()
         except asyncio.CancelledError:
             outcome = "cancelled"
-            self._metrics.scans.labels("cancelled", "").inc()
-            reason = _SHUTDOWN if self._shutting_down else _CLIENT_GONE
-            await self._record_end(scan, "cancelled", progress, reason)
+            await self._cancelled(scan, events, progress)
             raise
         except Exception as exc:
             await self._fail(scan, events, progress, exc)
@@ -109,8 +130,9 @@ class ScanPipeline:
             if self._on_finished is not None and outcome == "completed":
                 self._on_finished(elapsed)
 
-    async def _stages(self, scan: AcceptedScan, events: EventLog, progress: ScanProgress) -> None:
-        deadline = self._clock.now() + self._scan_deadline_s
+    async def _stages(
+        self, scan: AcceptedScan, events: EventLog, progress: ScanProgress, deadline: float
+    ) -> None:
         answer_span = self._runner.spans.get("answer")
         delta_ceiling = (answer_span.completed - 1) if answer_span else PROGRESS_END
 
@@ -124,6 +146,32 @@ class ScanPipeline:
             await self._runner.run(stage, ctx, events, progress, deadline)
         progress.step = "done"
 
+    async def _commit_completed(self, scan: AcceptedScan, progress: ScanProgress, deadline: float) -> None:
+        """`done` goes out only after this commit; while the database is away the
+        finished scan waits for it, up to its deadline, then fails with DATABASE_ERROR."""
+        progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
+        row = TerminalRow("completed", progress.result, progress.timings)
+        delay = COMMIT_FIRST_RETRY_S
+        while True:
+            try:
+                return await self._store.finish(scan.id, row)
+            except DatabaseError:
+                if self._clock.now() + delay >= deadline:
+                    raise
+                log.warning("scan %s: waiting for the database to record its result", scan.id)
+                await self._clock.sleep(delay)
+                delay = min(delay * 2, COMMIT_MAX_RETRY_S)
+
+    async def _cancelled(self, scan: AcceptedScan, events: EventLog, progress: ScanProgress) -> None:
+        if self._shutting_down:
+            error: EcoscanError = ServerShutdown()
+            log.warning("scan %s cancelled in %s: the shutdown drain ended", scan.id, progress.step)
+            step = progress.step
+        else:  # the client went away; the event is for the log only, nobody is listening
+            error, step = ClientDisconnected("The client went away."), "client"
+        self._metrics.scans.labels("cancelled", "" if step == "client" else error.code).inc()
+        await self._end(scan, events, progress, "cancelled", step, error)
+
     async def _fail(
         self, scan: AcceptedScan, events: EventLog, progress: ScanProgress, exc: Exception
     ) -> None:
@@ -134,21 +182,38 @@ class ScanPipeline:
         else:
             log.exception("scan %s failed in %s with an unexpected error", scan.id, progress.step)
         self._metrics.scans.labels("failed", error.code).inc()
-        await self._record_end(scan, "failed", progress, (progress.step, error.code, error.message))
-        events.append(ScanErrored(progress.step, error.code, error.message, error.retryable))
+        await self._end(scan, events, progress, "failed", progress.step, error)
 
-    async def _record_end(
-        self, scan: AcceptedScan, status: str, progress: ScanProgress, error: tuple[str, str, str]
+    async def _end(
+        self,
+        scan: AcceptedScan,
+        events: EventLog,
+        progress: ScanProgress,
+        status: str,
+        step: str,
+        error: EcoscanError,
     ) -> None:
+        """The terminal row, then the terminal event. Cancelled while the row is being
+        written (shutdown), the write goes on and the event still goes out."""
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
-        finish = self._store.finish(
-            scan.id, status, result=progress.result, timings=progress.timings, error=error
-        )
+        row = TerminalRow(status, progress.result, progress.timings, (step, error.code, error.message))
+        writing = asyncio.create_task(self._write_terminal_row(scan, row))
         try:
-            # Shielded: a second cancellation (shutdown) must not lose the terminal row.
-            await asyncio.shield(finish)
+            await asyncio.shield(writing)
+        finally:
+            events.append(ScanErrored(step, error.code, error.message, error.retryable))
+
+    async def _write_terminal_row(self, scan: AcceptedScan, row: TerminalRow) -> None:
+        """If the database does not take the row now, the store keeps writing it."""
+        try:
+            await self._store.finish(scan.id, row)
         except DatabaseError:
-            log.error("scan %s: could not record its %s row", scan.id, status)
+            log.warning(
+                "scan %s: database unavailable; its %s row is written when it is back", scan.id, row.status
+            )
+            self._store.defer(scan.id, row)
+        except ProcessLost:
+            log.error("scan %s: its row is missing", scan.id)
 
 
 def _ms(seconds: float) -> float:

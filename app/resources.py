@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import AsyncIterator, Callable, Mapping
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +22,8 @@ import httpx
 import openai
 
 from app.acceptance import ScanAcceptance
-from app.database import EmbeddedPostgres, apply_migrations, bundled_migrations, create_pool
+from app.database import EmbeddedPostgres, apply_migrations, bundled_migrations, create_pool, tagged_dsn
+from app.drain import Drain
 from app.images import ImageLimits
 from app.limits.admission import Admission
 from app.limits.clock import Clock, MonotonicClock
@@ -31,6 +32,7 @@ from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
 from app.loop_lag import probe_loop_lag
+from app.lost_scans import sweep_lost_scans
 from app.metrics import Metrics
 from app.pipeline import ScanPipeline
 from app.scan_input import InputLimits
@@ -53,6 +55,13 @@ log = logging.getLogger("app")
 UPSTREAM_MAX_CONNECTIONS = 2048
 UPSTREAM_MAX_KEEPALIVE = 512
 
+# Each close on the way out (pool, client, listener...) gets this long; the whole exit
+# stays well inside the drain's share of a 30 s termination grace.
+CLOSE_TIMEOUT_S = 5.0
+
+# How often every process looks for `running` rows of processes that died.
+LOST_SCAN_SWEEP_S = 30.0
+
 
 @dataclass
 class Resources:
@@ -67,6 +76,7 @@ class Resources:
     rules: RuleBook
     store: ScanStore
     pipeline: ScanPipeline
+    drain: Drain
     acceptance: ScanAcceptance
     input_limits: InputLimits
     upstream_base_url: str
@@ -77,11 +87,13 @@ class Resources:
 async def lifespan_resources(settings: Settings, metrics: Metrics | None = None) -> AsyncIterator[Resources]:
     metrics = metrics or Metrics()
     clock = MonotonicClock()
+    instance_id = uuid.uuid4()
     async with AsyncExitStack() as stack:
-        dsn = await _database(settings, stack)
+        dsn = tagged_dsn(await _database(settings, stack), instance_id)
         pool = await _pool(settings, dsn, stack)
         taxonomy, characters = await _catalogue(pool)
         rules = await _rule_book(settings, pool, taxonomy, dsn, stack)
+        metrics.rules_listener_up.set_function(_reader(rules, "listening"))
         client, base_url, simulator = await _openai_client(settings, stack)
         upstream = _upstream(settings, client, metrics, clock)
         vision = VisionStage(
@@ -110,7 +122,7 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
         cpu.observers.append(metrics.observe_cpu_job)
         stack.callback(cpu.shutdown)
-        store = ScanStore(pool)
+        store = await _scan_store(settings, pool, instance_id, stack)
         pipeline = ScanPipeline(
             runner,
             store=store,
@@ -119,16 +131,18 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             clock=clock,
             on_finished=admission.observe_scan_duration,
         )
-        # Runs first on the way out: in-flight scans are cancelled and record their
-        # rows while the pool, the client and the simulator are still open.
+        # Runs first on the way out: scans the drain left (or all of them, when no
+        # drain ran) end with SERVER_SHUTDOWN and record their rows while the pool,
+        # the client and the simulator are still open.
         stack.push_async_callback(pipeline.cancel_all)
-        probe = asyncio.create_task(probe_loop_lag(metrics), name="loop-lag-probe")
-        stack.callback(probe.cancel)
-        _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission)
+        _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
+        _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         input_limits = _input_limits(settings)
         acceptance = ScanAcceptance(
             admission=admission, cpu=cpu, store=store, pipeline=pipeline, limits=input_limits, metrics=metrics
         )
+        drain = Drain(pipeline, drain_s=settings.shutdown_drain_s)
+        metrics.shutting_down.set_function(lambda: float(drain.draining))
         yield Resources(
             settings=settings,
             metrics=metrics,
@@ -141,6 +155,7 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             rules=rules,
             store=store,
             pipeline=pipeline,
+            drain=drain,
             acceptance=acceptance,
             input_limits=input_limits,
             upstream_base_url=base_url,
@@ -152,8 +167,18 @@ async def _pool(settings: Settings, dsn: str, stack: AsyncExitStack) -> asyncpg.
     pool = await create_pool(
         dsn, min_size=settings.db_pool_min, max_size=settings.db_pool_max, timeout_s=settings.db_timeout_s
     )
-    stack.push_async_callback(pool.close)
+    stack.push_async_callback(_bounded_close, "database pool", pool.close, pool.terminate)
     return pool
+
+
+async def _scan_store(
+    settings: Settings, pool: asyncpg.Pool[asyncpg.Record], instance_id: uuid.UUID, stack: AsyncExitStack
+) -> ScanStore:
+    """The scans table, and the sweep that records scans of dead processes."""
+    store = ScanStore(pool, instance_id=instance_id, timeout_s=settings.db_timeout_s)
+    stack.push_async_callback(store.close, CLOSE_TIMEOUT_S)
+    _background(stack, sweep_lost_scans(store, interval_s=LOST_SCAN_SWEEP_S), "lost-scan-sweep")
+    return store
 
 
 async def _catalogue(pool: asyncpg.Pool[asyncpg.Record]) -> tuple[Taxonomy, list[Character]]:
@@ -203,7 +228,7 @@ async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[ope
         # h11, parsing streamed chunks in pure Python was ~25% of the event loop.
         http_client=openai.DefaultAioHttpClient(timeout=timeout, limits=limits),
     )
-    stack.push_async_callback(client.close)
+    stack.push_async_callback(_bounded_close, "OpenAI client", client.close)
     # The SDK imports its resource modules on first attribute access: ~0.5 s of
     # imports that would otherwise stall the event loop inside the first scan.
     _ = client.chat.completions.with_raw_response
@@ -263,11 +288,9 @@ async def _upstream_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple
         url = settings.openai_base_url or "https://api.openai.com/v1"
         log.info("upstream: OpenAI-compatible API at %s", url)
         return url, settings.openai_api_key or "", None
-    from app.sim.config import SimConfig
     from app.sim.server import run_simulator
 
-    config = SimConfig.from_env(os.environ)
-    simulator = await stack.enter_async_context(run_simulator(config))
+    simulator = await stack.enter_async_context(run_simulator(settings.simulator))
     log.warning(
         "upstream: built-in OpenAI SIMULATOR at %s (set OPENAI_API_KEY, and OPENAI_BASE_URL for a "
         "compatible server, to use a real one; SIM_* variables tune the simulator)",
@@ -283,6 +306,7 @@ def _bind_gauges(
     cpu: CpuLane,
     upstream: Upstream,
     admission: Admission,
+    store: ScanStore,
 ) -> None:
     """Gauges read live state at scrape time instead of being updated on every change."""
     for model, budget in budgets.items():
@@ -297,6 +321,26 @@ def _bind_gauges(
     metrics.cpu_busy.set_function(lambda: cpu.busy)
     metrics.reservations_open.set_function(_reader(upstream, "reservations_open"))
     metrics.admission_in_use.set_function(_reader(admission, "in_flight"))
+    metrics.scan_rows_deferred.set_function(_reader(store, "deferred"))
+
+
+def _background(stack: AsyncExitStack, work: Coroutine[Any, Any, None], name: str) -> None:
+    task = asyncio.create_task(work, name=name)
+    stack.callback(task.cancel)
+
+
+async def _bounded_close(
+    what: str, close: Callable[[], Awaitable[Any]], force: Callable[[], Any] | None = None
+) -> None:
+    """Every close on the way out gets `CLOSE_TIMEOUT_S`; a database that hangs must not
+    keep the process from exiting."""
+    try:
+        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            await close()
+    except TimeoutError:
+        log.warning("shutdown: closing the %s took over %.0f s; abandoned", what, CLOSE_TIMEOUT_S)
+        if force is not None:
+            force()
 
 
 def _reader(obj: object, attribute: str) -> Callable[[], float]:

@@ -4,6 +4,8 @@ one place (`app/main.py`)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -12,6 +14,9 @@ from app.scan_store import DB_ERRORS
 from app.streaming import scan_response
 
 router = APIRouter()
+
+# Readiness probes time out at 1-2 s by default (Kubernetes: 1 s): answer within that.
+READY_TIMEOUT_S = 1.0
 
 
 def resources(request: Request) -> Resources:
@@ -38,16 +43,25 @@ async def healthz() -> Response:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
+    """Ready = accepting scans and the database answers within `READY_TIMEOUT_S`
+    (acquire included). Turns 503 the moment the shutdown drain begins."""
     r = resources(request)
-    checks: dict[str, str] = {}
-    try:
-        await r.pool.fetchval("SELECT 1", timeout=2.0)
-        checks["database"] = "ok"
-    except DB_ERRORS:  # TimeoutError is an OSError
-        checks["database"] = "unreachable"
-    checks["upstream"] = "simulator" if r.simulator is not None else "configured"
-    ready = checks["database"] == "ok"
+    checks = {
+        "accepting": "no (shutting down)" if r.drain.draining else "yes",
+        "database": await _database_check(r),
+        "upstream": "simulator" if r.simulator is not None else "configured",
+    }
+    ready = checks["accepting"] == "yes" and checks["database"] == "ok"
     return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+
+
+async def _database_check(r: Resources) -> str:
+    try:
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            await r.pool.fetchval("SELECT 1")
+    except DB_ERRORS:  # TimeoutError is an OSError
+        return "unreachable"
+    return "ok"
 
 
 @router.get("/metrics")

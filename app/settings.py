@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.model_profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
+from app.sim.config import SimConfig
 
 
 class SettingsError(ValueError):
@@ -32,6 +33,7 @@ class Settings:
     db_pool_min: int = 2
     db_pool_max: int = 20
     db_timeout_s: float = 5.0
+    shutdown_drain_s: float = 25.0
 
     # --- upstream (OpenAI or any compatible server) ------------------------------
     openai_api_key: str | None = None
@@ -78,6 +80,10 @@ class Settings:
     delta_flush_ms: float = 100.0
     rules_cache_ttl_s: float = 300.0
     log_level: str = "INFO"
+
+    # --- the built-in simulator (used when OPENAI_API_KEY is unset) ------------------
+    # Read from the SIM_* variables, one per SimConfig field (see app/sim/config.py).
+    simulator: SimConfig = field(default_factory=SimConfig, metadata={"env_prefix": "SIM_"})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -143,6 +149,9 @@ class Settings:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
+            if f.metadata.get("env_prefix"):
+                values[f.name] = _simulator_config(env)
+                continue
             raw = env.get(env_name(f.name))
             if raw is None or raw == "":
                 continue
@@ -165,6 +174,13 @@ _MAY_BE_ZERO = {
     "delta_flush_ms",
     "rules_cache_ttl_s",
 }
+
+
+def _simulator_config(env: Mapping[str, str]) -> SimConfig:
+    try:
+        return SimConfig.from_env(env)
+    except ValueError as exc:
+        raise SettingsError(f"SIM_* variables: {exc}") from None
 
 
 def env_name(field_name: str) -> str:

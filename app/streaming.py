@@ -3,12 +3,13 @@ ping and its client-disconnect listener. The only module that knows the wire for
 each domain event becomes one SSE event whose `data` is JSON with `job_id`, `step`,
 `seq` (also the SSE `id:`), `progress` and the event's own fields.
 
-The response only *reads* the scan's event log. When the client goes away,
-sse-starlette cancels this generator; its `finally` cancels the pipeline task,
-which then cleans up on its own (closes the upstream stream, writes the
-`cancelled` row, releases its admission ticket). The generator never awaits that
-cleanup: it runs inside sse-starlette's cancel scope, where every await would be
-cancelled again.
+The response only *reads* the scan's event log, until its terminal event. A
+shutdown does not cut it: the drain ends every scan with a terminal event first (see
+`take_over_shutdown`). When the client goes away, sse-starlette cancels this
+generator; its `finally` cancels the pipeline task, which then cleans up on its own
+(closes the upstream stream, writes the `cancelled` row, releases its admission
+ticket). The generator never awaits that cleanup: it runs inside sse-starlette's
+cancel scope, where every await would be cancelled again.
 """
 
 from __future__ import annotations
@@ -18,10 +19,18 @@ import time
 from collections.abc import AsyncIterator
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import AppStatus
 
 from app.metrics import Metrics
 from app.pipeline import ScanRun
 from app.scan_events import LogEntry
+
+
+def take_over_shutdown() -> None:
+    """Left alone, sse-starlette ends every stream the moment uvicorn sees SIGTERM, before
+    the scans have sent their terminal events. The drain (app/drain.py) ends the scans
+    instead, and each stream closes after its terminal event."""
+    AppStatus.disable_automatic_graceful_drain()  # type: ignore[no-untyped-call]
 
 
 def scan_response(run: ScanRun, metrics: Metrics, *, ping_s: float) -> EventSourceResponse:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import asyncpg
 import httpx
+import pytest
 from httpx_sse import aconnect_sse
 
 from app.sim.server import RunningSimulator
@@ -165,3 +167,27 @@ async def test_spent_budget_refuses_with_503_and_predicted_retry_after(
         assert refused.status == 503
         assert refused.body["code"] == "UPSTREAM_BUDGET_EXHAUSTED"
         assert 1 <= int(refused.headers["retry-after"]) <= 2
+
+
+async def test_client_gone_mid_upload_is_one_log_line_not_a_traceback(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    host, port = service.url.removeprefix("http://").split(":")
+    caplog.set_level(logging.INFO, logger="app")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST {SCAN_URL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Content-Length: 100000\r\n\r\n".encode()
+        + b'{"image_url": "data:image/jpeg;base64,'
+    )
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+    def logged() -> bool:
+        return any("disconnected while sending" in r.getMessage() for r in caplog.records)
+
+    assert await eventually(logged, attempts=200, interval=0.01)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.text
+    assert service.metric("ecoscan_scans_total", {"outcome": "rejected", "code": "CLIENT_DISCONNECTED"}) == 1
+    assert_nothing_held(service)

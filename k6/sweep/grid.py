@@ -102,7 +102,7 @@ def number(text: str) -> int | float:
 def service_env_names() -> set[str]:
     """The env vars the service reads, one per Settings field: a misspelt axis is caught
     before a long sweep rather than silently measuring the defaults."""
-    return {env_name(f.name) for f in dataclasses.fields(Settings)}
+    return {env_name(f.name) for f in dataclasses.fields(Settings) if not f.metadata.get("env_prefix")}
 
 
 def build_grid(args: argparse.Namespace) -> list[Point]:

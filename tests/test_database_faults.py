@@ -1,0 +1,184 @@
+"""PostgreSQL going away under load, on a cluster of the test's own (the embedded
+server in a temp directory), stopped and started again with `pg_ctl` while scans run:
+no row is left `running`, every stream ends in exactly one terminal event that agrees
+with its row, and the service is whole afterwards (pool, rule listener)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import urllib.parse
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from httpx_sse import aconnect_sse
+
+from app.database import EmbeddedPostgres
+from app.sim.server import RunningSimulator
+
+from .conftest import (
+    SCAN_URL,
+    Service,
+    data_url,
+    eventually,
+    make_jpeg,
+    run_scan,
+    running_service,
+    settings_for,
+    sim_configure,
+)
+
+PG_CTL_TIMEOUT_S = 60
+
+
+class ControlledPostgres:
+    """An embedded cluster the test may stop and start."""
+
+    def __init__(self, data_dir: Path, embedded: EmbeddedPostgres, dsn: str) -> None:
+        self.data_dir = data_dir
+        self.embedded = embedded
+        self.dsn = dsn
+        self._socket_dir = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(dsn).query))["host"]
+
+    async def stop(self) -> None:
+        await self._pg_ctl(["-w", "-m", "fast", "stop"])
+
+    async def start(self) -> None:
+        options = ["-o", '-h ""', "-o", f"-k {self._socket_dir}", "-l", str(self.data_dir / "log")]
+        await self._pg_ctl(["-w", *options, "start"])
+
+    async def _pg_ctl(self, args: list[str]) -> None:
+        from pgserver import _commands
+
+        user = self.embedded.system_user
+        run = _commands.pg_ctl  # type: ignore[attr-defined]
+        await asyncio.to_thread(run, args, pgdata=self.data_dir, user=user, timeout=PG_CTL_TIMEOUT_S)
+
+
+@pytest.fixture
+async def controlled_pg() -> AsyncIterator[ControlledPostgres]:
+    # Not tmp_path: each pytest session makes /tmp/pytest-of-<user> private again, which
+    # locks out the `pgserver` user postgres runs as under root.
+    with tempfile.TemporaryDirectory(prefix="ecoscan-faults-pg-") as tmp:
+        data_dir = Path(tmp) / "pgdata"
+        embedded = EmbeddedPostgres(str(data_dir))
+        dsn = await embedded.start()
+        try:
+            yield ControlledPostgres(data_dir, embedded, dsn)
+        finally:
+            await embedded.stop()
+
+
+class Load:
+    """Scans in a loop from `workers` users until stopped; every outcome kept."""
+
+    def __init__(self, svc: Service, workers: int) -> None:
+        self.svc = svc
+        self.streams: list[tuple[str, str, str | None]] = []  # (job_id, terminal event, code)
+        self.rejected: list[tuple[int, str]] = []
+        self.bad: list[str] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._worker(w)) for w in range(workers)]
+
+    async def stop(self) -> None:
+        self._stop.set()
+        async with asyncio.timeout(60):
+            await asyncio.gather(*self._tasks)
+
+    async def _worker(self, worker: int) -> None:
+        seed = worker * 1000
+        async with httpx.AsyncClient(base_url=self.svc.url, timeout=60) as client:
+            while not self._stop.is_set():
+                seed += 1
+                await self._one(client, worker, seed)
+
+    async def _one(self, client: httpx.AsyncClient, worker: int, seed: int) -> None:
+        request: dict[str, Any] = {"json": {"image_url": data_url(make_jpeg(seed))}}
+        async with aconnect_sse(
+            client, "POST", SCAN_URL, headers={"X-User-ID": f"w{worker}"}, **request
+        ) as src:
+            if src.response.status_code != 200:
+                body = json.loads(await src.response.aread())
+                self.rejected.append((src.response.status_code, body["code"]))
+                await asyncio.sleep(0.05)
+                return
+            events = [(sse.event, json.loads(sse.data)) async for sse in src.aiter_sse() if sse.data]
+        terminals = [(name, data) for name, data in events if name in ("done", "error")]
+        if len(terminals) != 1 or events[-1][0] not in ("done", "error"):
+            self.bad.append(f"{events[0][1].get('job_id')}: {[n for n, _ in events]}")
+            return
+        name, data = terminals[0]
+        self.streams.append((data["job_id"], name, data.get("code")))
+
+
+async def test_postgres_restart_under_load_leaves_no_row_running(
+    controlled_pg: ControlledPostgres, sim: RunningSimulator
+) -> None:
+    await sim_configure(sim, time_scale=0.05)  # ~0.5 s per scan
+    settings = settings_for(
+        controlled_pg.dsn, sim, db_timeout_s=1.0, scan_deadline_s=20.0, db_pool_min=2, log_level="ERROR"
+    )
+    async with running_service(settings) as svc:
+        load = Load(svc, workers=8)
+        await asyncio.sleep(1.5)
+        await controlled_pg.stop()
+        await asyncio.sleep(3.0)
+        await controlled_pg.start()
+        await asyncio.sleep(2.0)
+        await load.stop()
+
+        assert not load.bad, load.bad
+        assert {code for _, code in load.rejected} <= {"DATABASE_UNAVAILABLE"}, load.rejected
+        assert load.rejected, "the outage refused no scan: it did not happen under load"
+        assert await eventually(
+            lambda: svc.metric("ecoscan_scan_rows_deferred") == 0, attempts=300, interval=0.1
+        )
+        # The service is whole again: scans complete, the rule listener is back.
+        outcome = await run_scan(svc.client, json={"image_url": data_url(make_jpeg(77))})
+        assert outcome.terminal.event == "done", outcome.events[-1]
+        assert await eventually(
+            lambda: svc.metric("ecoscan_rules_listener_up") == 1, attempts=300, interval=0.1
+        )
+        ready = await svc.client.get("/readyz")
+        assert ready.status_code == 200, ready.json()
+
+    conn = await asyncpg.connect(controlled_pg.dsn)
+    try:
+        rows = {
+            str(r["id"]): (r["status"], r["error_code"])
+            for r in await conn.fetch("SELECT id, status, error_code FROM scans")
+        }
+    finally:
+        await conn.close()
+    assert not [job for job, (status, _) in rows.items() if status == "running"]
+    for job_id, event, code in load.streams:
+        expected = ("completed", None) if event == "done" else ("failed", code)
+        assert rows[job_id] == expected, (job_id, event, code)
+    assert any(event == "done" for _, event, _ in load.streams)
+
+
+async def test_readyz_answers_within_its_timeout_while_postgres_is_down(
+    controlled_pg: ControlledPostgres, sim: RunningSimulator
+) -> None:
+    settings = settings_for(controlled_pg.dsn, sim, db_timeout_s=1.0, log_level="ERROR")
+    async with running_service(settings) as svc:
+        await controlled_pg.stop()
+        try:
+            async with asyncio.timeout(5):
+                ready = await svc.client.get("/readyz")
+            assert ready.status_code == 503
+            assert ready.json()["checks"]["database"] == "unreachable"
+        finally:
+            await controlled_pg.start()
+        assert await eventually(lambda: _ready(svc), attempts=200, interval=0.05), (
+            "not ready again after the database came back"
+        )
+
+
+async def _ready(svc: Service) -> bool:
+    return (await svc.client.get("/readyz")).status_code == 200
