@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import tempfile
 import urllib.parse
 from collections.abc import AsyncIterator
@@ -32,6 +34,7 @@ from .conftest import (
     settings_for,
     sim_configure,
 )
+from .service_process import service_env, service_process
 
 PG_CTL_TIMEOUT_S = 60
 
@@ -52,12 +55,39 @@ class ControlledPostgres:
         options = ["-o", '-h ""', "-o", f"-k {self._socket_dir}", "-l", str(self.data_dir / "log")]
         await self._pg_ctl(["-w", *options, "start"])
 
+    def freeze(self) -> None:
+        """SIGSTOP the postmaster and every backend: a server that hangs, not one that
+        refuses (connections stay open, queries never answer)."""
+        for pid in self._processes():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in self._processes():
+            os.kill(pid, signal.SIGCONT)
+
+    def _processes(self) -> list[int]:
+        postmaster = int((self.data_dir / "postmaster.pid").read_text().split()[0])
+        children = [
+            int(stat.parent.name)
+            for stat in Path("/proc").glob("[0-9]*/stat")
+            if _parent_pid(stat) == postmaster
+        ]
+        return [postmaster, *children]
+
     async def _pg_ctl(self, args: list[str]) -> None:
         from pgserver import _commands
 
         user = self.embedded.system_user
         run = _commands.pg_ctl  # type: ignore[attr-defined]
         await asyncio.to_thread(run, args, pgdata=self.data_dir, user=user, timeout=PG_CTL_TIMEOUT_S)
+
+
+def _parent_pid(stat: Path) -> int | None:
+    try:
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'.
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @pytest.fixture
@@ -147,14 +177,7 @@ async def test_postgres_restart_under_load_leaves_no_row_running(
         ready = await svc.client.get("/readyz")
         assert ready.status_code == 200, ready.json()
 
-    conn = await asyncpg.connect(controlled_pg.dsn)
-    try:
-        rows = {
-            str(r["id"]): (r["status"], r["error_code"])
-            for r in await conn.fetch("SELECT id, status, error_code FROM scans")
-        }
-    finally:
-        await conn.close()
+    rows = await _rows(controlled_pg)
     assert not [job for job, (status, _) in rows.items() if status == "running"]
     for job_id, event, code in load.streams:
         expected = ("completed", None) if event == "done" else ("failed", code)
@@ -182,3 +205,59 @@ async def test_readyz_answers_within_its_timeout_while_postgres_is_down(
 
 async def _ready(svc: Service) -> bool:
     return (await svc.client.get("/readyz")).status_code == 200
+
+
+async def test_frozen_postgres_under_load_client_and_row_agree(
+    controlled_pg: ControlledPostgres, sim: RunningSimulator
+) -> None:
+    await sim_configure(sim, time_scale=0.05)
+    settings = settings_for(
+        controlled_pg.dsn, sim, db_timeout_s=1.0, scan_deadline_s=20.0, db_pool_min=2, log_level="ERROR"
+    )
+    async with running_service(settings) as svc:
+        load = Load(svc, workers=8)
+        await asyncio.sleep(1.5)
+        controlled_pg.freeze()
+        try:
+            async with asyncio.timeout(5):
+                ready = await svc.client.get("/readyz")
+            assert ready.status_code == 503
+            await asyncio.sleep(4.0)
+        finally:
+            controlled_pg.thaw()
+        await asyncio.sleep(2.0)
+        await load.stop()
+        assert not load.bad, load.bad
+        assert await eventually(
+            lambda: svc.metric("ecoscan_scan_rows_deferred") == 0, attempts=300, interval=0.1
+        )
+
+    rows = await _rows(controlled_pg)
+    assert not [job for job, (status, _) in rows.items() if status == "running"]
+    for job_id, event, code in load.streams:
+        expected = ("completed", None) if event == "done" else ("failed", code)
+        assert rows[job_id] == expected, (job_id, event, code)
+
+
+async def test_sigterm_while_postgres_hangs_still_exits(
+    controlled_pg: ControlledPostgres, sim: RunningSimulator, tmp_path: Path
+) -> None:
+    env = service_env(controlled_pg.dsn, sim, DB_TIMEOUT_S="1")
+    async with service_process(env, tmp_path / "service.log") as svc:
+        controlled_pg.freeze()
+        try:
+            svc.signal(signal.SIGTERM)
+            # Every close is bounded (CLOSE_TIMEOUT_S = 5 s each: pool, listener, client).
+            code = await svc.exited(timeout_s=45)
+        finally:
+            controlled_pg.thaw()
+    assert code in (0, -signal.SIGTERM), svc.log
+
+
+async def _rows(pg: ControlledPostgres) -> dict[str, tuple[str, str | None]]:
+    conn = await asyncpg.connect(pg.dsn)
+    try:
+        records = await conn.fetch("SELECT id, status, error_code FROM scans")
+    finally:
+        await conn.close()
+    return {str(r["id"]): (r["status"], r["error_code"]) for r in records}
