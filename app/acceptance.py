@@ -10,16 +10,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
-from app.errors import (
-    ClientDisconnected,
-    DatabaseError,
-    DatabaseUnavailable,
-    InvalidRequest,
-    PayloadTooLarge,
-    ServerShuttingDown,
-)
+from app.body_reader import BodyReader, BufferedBody
+from app.errors import DatabaseError, DatabaseUnavailable, InvalidRequest, ServerShuttingDown
 from app.limits.admission import Admission, Ticket
 from app.limits.cpu_lane import CpuLane
 from app.metrics import Metrics
@@ -43,6 +37,7 @@ class ScanAcceptance:
         store: ScanStore,
         pipeline: ScanPipeline,
         limits: InputLimits,
+        bodies: BodyReader,
         metrics: Metrics,
     ) -> None:
         self._admission = admission
@@ -50,6 +45,7 @@ class ScanAcceptance:
         self._store = store
         self._pipeline = pipeline
         self._limits = limits
+        self._bodies = bodies
         self._metrics = metrics
 
     async def accept(self, request: Request) -> ScanRun:
@@ -59,20 +55,29 @@ class ScanAcceptance:
         content_type = request.headers.get("content-type", "")
         request_kind(content_type)  # 415 before reading anything
         user_id = _user_id(request)
-        ticket = await self._admit(user_id or f"anon:{request.client.host if request.client else '-'}")
+        # Uploads cost time and memory, not admission: a slow upload holds no slot.
+        body = await self._bodies.read(request)
         try:
-            body = await _read_body(request, self._limits.max_body_bytes)
-            prepare_started = time.perf_counter()
-            scan_input = await self._cpu.run(parse_scan_body, body, content_type, self._limits)
-            prepare_s = time.perf_counter() - prepare_started
-            self._metrics.prepare_duration.observe(prepare_s)
-            scan_id = await self._record(user_id, scan_input)
-        except BaseException:
-            ticket.release()
-            raise
+            ticket = await self._admit(user_id or f"anon:{request.client.host if request.client else '-'}")
+            try:
+                scan_input, prepare_s = await self._prepare(body, content_type)
+                scan_id = await self._record(user_id, scan_input)
+            except BaseException:
+                ticket.release()
+                raise
+        finally:
+            body.release()
         timings = {"prepare_ms": round(prepare_s * 1000, 1)}
         scan = AcceptedScan(scan_id, user_id, scan_input, ticket, received_at, timings)
         return self._pipeline.start(scan)
+
+    async def _prepare(self, body: BufferedBody, content_type: str) -> tuple[ScanInput, float]:
+        """Parse, decode and resize in the CPU lane; the time it took."""
+        started = time.perf_counter()
+        scan_input = await self._cpu.run(parse_scan_body, body.data, content_type, self._limits)
+        prepare_s = time.perf_counter() - started
+        self._metrics.prepare_duration.observe(prepare_s)
+        return scan_input, prepare_s
 
     async def _admit(self, user_key: str) -> Ticket:
         try:
@@ -104,19 +109,3 @@ def _user_id(request: Request) -> str | None:
     if len(value) > MAX_USER_ID_CHARS or not value.isprintable():
         raise InvalidRequest(f"X-User-ID must be printable and at most {MAX_USER_ID_CHARS} characters.")
     return value
-
-
-async def _read_body(request: Request, limit: int) -> bytearray:
-    """The body, capped at `limit`; returned as the buffer it was read into (no copy)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge()
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise PayloadTooLarge()
-    except ClientDisconnect:
-        raise ClientDisconnected() from None
-    return body

@@ -6,10 +6,11 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     ├── RequestRejected          client mistakes: 4xx JSON before any stream
     │   ├── ImageMissing, ImageInvalid, ImageTypeUnsupported, ImageTooLarge,
     │   │   ImageTooManyPixels, PayloadTooLarge, InvalidRequest, UserInputTooLong,
-    │   │   ContentTypeUnsupported, ClientDisconnected (499: gone before its body was read)
+    │   │   ContentTypeUnsupported, BodyReadTimeout,
+    │   │   ClientDisconnected (499: gone before its body was read)
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
     │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
-    │   │   DatabaseUnavailable, ServerShuttingDown
+    │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
     └── ScanFailed               after the stream started: an SSE `error` event
         ├── UpstreamError, UpstreamRateLimited, UpstreamQuotaExhausted, UpstreamRejected,
         │   UpstreamBadResponse, UpstreamTimeout, UpstreamTokenLimit, UpstreamRefused,
@@ -29,6 +30,9 @@ class EcoscanError(Exception):
     status: ClassVar[int] = 500
     code: ClassVar[str] = "INTERNAL_ERROR"
     retryable: ClassVar[bool] = False
+    # Refused with the request body half read: the response says `Connection: close`,
+    # so the rest of that body is never parsed as a next request.
+    close_connection: ClassVar[bool] = False
     default_message: ClassVar[str] = "Internal error."
 
     def __init__(self, message: str | None = None) -> None:
@@ -73,6 +77,7 @@ class ImageTooLarge(RequestRejected):
 class PayloadTooLarge(RequestRejected):
     status = 413
     code = "PAYLOAD_TOO_LARGE"
+    close_connection = True
     default_message = "The request body is larger than the size limit."
 
 
@@ -111,6 +116,13 @@ class NotFound(RequestRejected):
     status = 404
     code = "NOT_FOUND"
     default_message = "Not found."
+
+
+class BodyReadTimeout(RequestRejected):
+    status = 408
+    code = "BODY_READ_TIMEOUT"
+    close_connection = True
+    default_message = "The request body arrived too slowly (see BODY_READ_TIMEOUT_S)."
 
 
 class ClientDisconnected(RequestRejected):
@@ -161,6 +173,12 @@ class UserOverLimit(Overloaded):
 class DatabaseUnavailable(Overloaded):
     code = "DATABASE_UNAVAILABLE"
     default_message = "The database is unavailable; retry later."
+
+
+class UploadsAtCapacity(Overloaded):
+    code = "UPLOADS_AT_CAPACITY"
+    close_connection = True
+    default_message = "Too many uploads are being received at once; retry shortly."
 
 
 class ServerShuttingDown(Overloaded):

@@ -54,6 +54,8 @@ def error_response(exc: EcoscanError) -> JSONResponse:
     headers = {}
     if isinstance(exc, Overloaded):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    if exc.close_connection:
+        headers["Connection"] = "close"
     return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
 
 

@@ -53,13 +53,25 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        r = self.registry
         if process:
-            ProcessCollector(registry=r)
-            PlatformCollector(registry=r)
-            GCCollector(registry=r)
+            self._declare_process_collectors()
+        self._declare_scan_metrics()
+        self._declare_stage_metrics()
+        self._declare_upstream_metrics()
+        self._declare_budget_and_gate_metrics()
+        self._declare_cpu_lane_and_loop_metrics()
+        self._declare_admission_and_lifecycle_metrics()
 
-        # --- scans ---------------------------------------------------------------
+    def _declare_process_collectors(self) -> None:
+        """The library's process, platform and GC collectors."""
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+
+    def _declare_scan_metrics(self) -> None:
+        """Whole scans and their SSE streams: outcomes, durations, what is open now."""
+        r = self.registry
         self.scans = Counter(
             "ecoscan_scans_total",
             "Scans by outcome (completed, failed, cancelled, rejected) and code/reason.",
@@ -90,7 +102,9 @@ class Metrics:
             registry=r,
         )
 
-        # --- stages --------------------------------------------------------------
+    def _declare_stage_metrics(self) -> None:
+        """Per-stage wall time, split into queue (waiting for a limit) and service (working)."""
+        r = self.registry
         self.stage_duration = Histogram(
             "ecoscan_stage_duration_seconds",
             "Stage wall time (queue + service) by outcome.",
@@ -113,7 +127,9 @@ class Metrics:
             registry=r,
         )
 
-        # --- upstream ------------------------------------------------------------
+    def _declare_upstream_metrics(self) -> None:
+        """OpenAI calls: status, duration, tokens, retries, 429s and the rate-limit headers."""
+        r = self.registry
         self.upstream_calls = Counter(
             "ecoscan_upstream_calls_total",
             "OpenAI calls by model, endpoint and status class (2xx, 4xx, 429, 5xx, error).",
@@ -152,7 +168,9 @@ class Metrics:
             registry=r,
         )
 
-        # --- limits --------------------------------------------------------------
+    def _declare_budget_and_gate_metrics(self) -> None:
+        """The RPM/TPM budget (waits, limits, reservations) and the stage semaphores."""
+        r = self.registry
         self.budget_wait = Histogram(
             "ecoscan_budget_wait_seconds",
             "Time waiting for the RPM/TPM budget.",
@@ -180,6 +198,10 @@ class Metrics:
         self.semaphore_in_use = Gauge(
             "ecoscan_stage_semaphore_in_use", "Stage semaphore slots held.", ["stage"], registry=r
         )
+
+    def _declare_cpu_lane_and_loop_metrics(self) -> None:
+        """The CPU lane's queue, workers and jobs, and the event loop's lag."""
+        r = self.registry
         self.cpu_queue_depth = Gauge(
             "ecoscan_cpu_queue_depth", "CPU-lane jobs waiting for a worker.", registry=r
         )
@@ -200,12 +222,21 @@ class Metrics:
         self.loop_lag_max = Gauge(
             "ecoscan_event_loop_lag_max_seconds", "Largest loop lag seen since start.", registry=r
         )
+
+    def _declare_admission_and_lifecycle_metrics(self) -> None:
+        """Admission slots and refusals, shutdown, and the database's deferred rows and LISTEN link."""
+        r = self.registry
         self.admission_in_use = Gauge(
             "ecoscan_admission_slots_in_use", "Admission slots held by scans (global cap).", registry=r
         )
         self.scan_rows_deferred = Gauge(
             "ecoscan_scan_rows_deferred",
             "Terminal scan rows the database did not take yet; retried until it does.",
+            registry=r,
+        )
+        self.body_bytes_buffered = Gauge(
+            "ecoscan_request_body_bytes_buffered",
+            "Bytes of scan request bodies held in memory right now (cap: BODY_BUFFER_MAX_BYTES).",
             registry=r,
         )
         self.shutting_down = Gauge(

@@ -22,6 +22,7 @@ import httpx
 import openai
 
 from app.acceptance import ScanAcceptance
+from app.body_reader import BodyBudget, BodyReader
 from app.database import EmbeddedPostgres, apply_migrations, bundled_migrations, create_pool, tagged_dsn
 from app.drain import Drain
 from app.images import ImageLimits
@@ -138,8 +139,21 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         input_limits = _input_limits(settings)
+        bodies = BodyReader(
+            BodyBudget(settings.body_buffer_max_bytes),
+            limit=input_limits.max_body_bytes,
+            timeout_s=settings.body_read_timeout_s,
+            min_bytes_per_s=settings.body_min_bytes_per_s,
+        )
+        metrics.body_bytes_buffered.set_function(_reader(bodies.budget, "in_use"))
         acceptance = ScanAcceptance(
-            admission=admission, cpu=cpu, store=store, pipeline=pipeline, limits=input_limits, metrics=metrics
+            admission=admission,
+            cpu=cpu,
+            store=store,
+            pipeline=pipeline,
+            limits=input_limits,
+            bodies=bodies,
+            metrics=metrics,
         )
         drain = Drain(pipeline, drain_s=settings.shutdown_drain_s)
         metrics.shutting_down.set_function(lambda: float(drain.draining))

@@ -74,6 +74,9 @@ class Settings:
     image_long_side: int = 768
     image_jpeg_quality: int = 85
     user_input_max_chars: int = 500
+    body_read_timeout_s: float = 15.0
+    body_min_bytes_per_s: float = 8192.0
+    body_buffer_max_bytes: int = 256 * 1024 * 1024
 
     # --- streaming and caching ----------------------------------------------------
     sse_ping_s: float = 15.0
@@ -102,6 +105,10 @@ class Settings:
             raise SettingsError("RATE_BURST_FRACTION must be in (0, 1]")
         if not 1 <= self.image_jpeg_quality <= 95:
             raise SettingsError("IMAGE_JPEG_QUALITY must be between 1 and 95")
+        if self.body_buffer_max_bytes < self.image_max_bytes * 4 // 3 + 64 * 1024:
+            raise SettingsError(
+                "BODY_BUFFER_MAX_BYTES must hold at least one largest body (4/3 x IMAGE_MAX_BYTES + 64 KiB)"
+            )
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
         self._check_models()

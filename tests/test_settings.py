@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
-from app.settings import Settings, SettingsError
+from app.settings import Settings, SettingsError, env_name
 
 
 def test_reads_environment_and_casts() -> None:
@@ -31,3 +34,14 @@ def test_nonsense_is_rejected_naming_the_variable(env: dict[str, str], message: 
 def test_zero_is_allowed_where_it_means_off() -> None:
     s = Settings.from_env({"ADMISSION_WAIT_S": "0", "CPU_QUEUE_LIMIT": "0", "DELTA_FLUSH_MS": "0"})
     assert s.admission_wait_s == 0 and s.cpu_queue_limit == 0
+
+
+def test_the_readme_configuration_table_lists_every_setting() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("## Configuration") : readme.index("## Architecture")]
+    missing = [
+        env_name(f.name)
+        for f in dataclasses.fields(Settings)
+        if not f.metadata.get("env_prefix") and f"`{env_name(f.name)}`" not in table
+    ]
+    assert not missing, f"settings missing from the README's configuration table: {missing}"

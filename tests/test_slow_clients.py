@@ -1,0 +1,152 @@
+"""Slow and lying uploads: they cost time and memory, never admission slots. Bodies
+have a deadline that moves with progress (408 `BODY_READ_TIMEOUT`), and the bytes
+buffered at once are capped (503 `UPLOADS_AT_CAPACITY`) — all over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from app.sim.server import RunningSimulator
+
+from .conftest import (
+    SCAN_URL,
+    Service,
+    data_url,
+    eventually,
+    make_jpeg,
+    run_scan,
+    running_service,
+    settings_for,
+)
+
+
+class SlowUpload:
+    """A raw connection that sends a scan request's headers and then its body slowly."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def trickle(self, data: bytes, *, every_s: float) -> None:
+        """`data` every `every_s` until the server stops reading."""
+        with contextlib.suppress(OSError):
+            while True:
+                await self.send(data)
+                await asyncio.sleep(every_s)
+
+    async def response(self, timeout_s: float = 30) -> tuple[int, dict[str, str], dict[str, Any]]:
+        async with asyncio.timeout(timeout_s):
+            head = await self.reader.readuntil(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+            body = await self.reader.readexactly(int(headers["content-length"]))
+        return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, json.loads(body)
+
+    async def closed_by_server(self, timeout_s: float = 10) -> bool:
+        async with asyncio.timeout(timeout_s):
+            return await self.reader.read() == b""
+
+
+@asynccontextmanager
+async def slow_upload(svc: Service, declared: int, *, user: str | None = None) -> AsyncIterator[SlowUpload]:
+    host, port = svc.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    user_header = f"X-User-ID: {user}\r\n" if user else ""
+    writer.write(
+        f"POST {SCAN_URL} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        f"{user_header}Content-Length: {declared}\r\n\r\n".encode()
+    )
+    await writer.drain()
+    try:
+        yield SlowUpload(reader, writer)
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def test_a_trickling_upload_gets_408_and_its_connection_closed(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    settings = settings_for(database_url, sim, body_read_timeout_s=0.5, body_min_bytes_per_s=1_000_000)
+    async with running_service(settings) as svc, slow_upload(svc, 100_000) as upload:
+        trickle = asyncio.create_task(upload.trickle(b"{" * 10, every_s=0.05))
+        try:
+            status, headers, body = await upload.response()
+        finally:
+            trickle.cancel()
+        assert (status, body["code"]) == (408, "BODY_READ_TIMEOUT")
+        assert headers["connection"] == "close"
+        assert await upload.closed_by_server()
+        assert svc.metric("ecoscan_request_body_bytes_buffered") == 0
+
+
+async def test_a_body_shorter_than_its_content_length_is_cut_off_by_the_deadline(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    settings = settings_for(database_url, sim, body_read_timeout_s=0.5)
+    async with running_service(settings) as svc, slow_upload(svc, 5000) as upload:
+        await upload.send(b'{"image_url": "data:image/jpeg;base64,AAAA')
+        status, _, body = await upload.response()
+        assert (status, body["code"]) == (408, "BODY_READ_TIMEOUT")
+        assert await upload.closed_by_server()
+
+
+async def test_fifty_slow_anonymous_uploads_do_not_lock_anyone_out(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """Admission comes after the body: uploads still arriving hold no slot, so the four
+    per-address slots of 127.0.0.1 stay free for a complete request."""
+    settings = settings_for(database_url, sim, body_read_timeout_s=60)
+    async with running_service(settings) as svc, contextlib.AsyncExitStack() as stack:
+        uploads = [await stack.enter_async_context(slow_upload(svc, 10_000)) for _ in range(50)]
+        for upload in uploads:
+            await upload.send(b'{"image_url": "data:')
+        for seed in range(3):
+            outcome = await run_scan(svc.client, json={"image_url": data_url(make_jpeg(seed))})
+            assert outcome.status == 200, outcome.body
+            assert outcome.terminal.event == "done"
+        assert svc.metric("ecoscan_admission_slots_in_use") == 0
+
+
+async def test_the_buffered_bytes_cap_refuses_with_503_and_counts_bytes_not_connections(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    image_max = 600_000
+    cap = image_max * 4 // 3 + 64 * 1024  # the smallest cap allowed: one largest body
+    settings = settings_for(
+        database_url, sim, image_max_bytes=image_max, body_buffer_max_bytes=cap, body_read_timeout_s=60
+    )
+    photo = make_jpeg(5)
+    async with running_service(settings) as svc:
+        async with contextlib.AsyncExitStack() as stack:
+            await _fill_the_cap(svc, stack, cap, photo)
+        # Connections gone, their bytes are given back.
+        assert await eventually(lambda: svc.metric("ecoscan_request_body_bytes_buffered") == 0)
+
+
+async def _fill_the_cap(svc: Service, stack: contextlib.AsyncExitStack, cap: int, photo: bytes) -> None:
+    # Sixty slow connections holding 600 bytes each take 36 KB: a photo still fits.
+    for _ in range(60):
+        upload = await stack.enter_async_context(slow_upload(svc, 700_000))
+        await upload.send(b" " * 600)
+    assert await eventually(lambda: svc.metric("ecoscan_request_body_bytes_buffered") == 36_000)
+    outcome = await run_scan(svc.client, json={"image_url": data_url(photo)})
+    assert outcome.terminal.event == "done"
+
+    # One upload holding most of the cap leaves no room for the next photo.
+    hog = await stack.enter_async_context(slow_upload(svc, cap))
+    await hog.send(b" " * (cap - 36_000 - 10_000))
+    assert await eventually(lambda: svc.metric("ecoscan_request_body_bytes_buffered") > cap - 20_000)
+    refused = await svc.client.post(SCAN_URL, json={"image_url": data_url(photo)})
+    assert refused.status_code == 503 and refused.json()["code"] == "UPLOADS_AT_CAPACITY"
+    assert int(refused.headers["Retry-After"]) >= 1
