@@ -27,4 +27,4 @@ USER ecoscan
 ENV EMBEDDED_PG_DIR=/home/ecoscan/.ecoscan/pgdata
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=3s CMD python -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)" || exit 1
-CMD ["uvicorn", "app.main:app", "--host", "0.0.0.0", "--port", "8000", "--no-server-header"]
+CMD ["uvicorn", "app.main:app", "--http", "app.http_protocol:HttpToolsProtocol", "--host", "0.0.0.0", "--port", "8000", "--no-server-header"]

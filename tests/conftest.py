@@ -30,6 +30,7 @@ from httpx_sse import aconnect_sse
 from PIL import Image, ImageDraw
 
 from app.database import EmbeddedPostgres
+from app.http_protocol import HttpToolsProtocol
 from app.main import create_app
 from app.metrics import Metrics
 from app.serving import serve_in_loop
@@ -163,7 +164,7 @@ async def running_service(settings: Settings) -> AsyncIterator[Service]:
     metrics = Metrics(process=False)
     app = create_app(settings, metrics=metrics)
     async with (
-        serve_in_loop(app, lifespan="on") as url,
+        serve_in_loop(app, lifespan="on", http=HttpToolsProtocol) as url,
         httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0)) as client,
     ):
         yield Service(url, metrics, client, settings)

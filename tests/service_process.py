@@ -72,6 +72,8 @@ async def service_process(env: Mapping[str, str], log_path: Path) -> AsyncIterat
             "-m",
             "uvicorn",
             "app.main:app",
+            "--http",
+            "app.http_protocol:HttpToolsProtocol",
             "--host",
             "127.0.0.1",
             "--port",

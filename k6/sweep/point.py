@@ -69,7 +69,8 @@ def service_env(point: Point, sim_port: int, database_url: str) -> dict[str, str
 
 
 def service_argv(point: Point, port: int) -> list[str]:
-    argv = [venv_python(), "-m", "uvicorn", "app.main:app", "--host", HOST, "--port", str(port)]
+    argv = [venv_python(), "-m", "uvicorn", "app.main:app", "--http", "app.http_protocol:HttpToolsProtocol"]
+    argv += ["--host", HOST, "--port", str(port)]
     argv += ["--workers", str(point.fixed.workers)]
     if not point.fixed.access_log:
         argv.append("--no-access-log")
