@@ -31,25 +31,29 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = True
         self._head_bytes = 0
+        self._heads_completed = 0
 
     def data_received(self, data: bytes) -> None:
-        in_head_before = self._in_head
+        counting = self._in_head
+        heads_before = self._heads_completed
         super().data_received(data)
-        # Counted after parsing, so body bytes that arrive with the end of the head are
-        # not taken for head bytes.
-        if in_head_before and self._in_head and not self.transport.is_closing():
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_REQUEST_HEAD_BYTES:
-                self.logger.warning("request head over %d bytes: refused with 431", MAX_REQUEST_HEAD_BYTES)
-                self._send_json_error(
-                    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                    "REQUEST_HEADERS_TOO_LARGE",
-                    f"The request line and headers exceed {MAX_REQUEST_HEAD_BYTES} bytes.",
-                )
+        # Only a chunk that started inside a head and completed none counts: body bytes
+        # that arrive with the end of a head (or whole small requests) are not head bytes.
+        if not counting or self._heads_completed != heads_before or self.transport.is_closing():
+            return
+        self._head_bytes += len(data)
+        if self._head_bytes > MAX_REQUEST_HEAD_BYTES:
+            self.logger.warning("request head over %d bytes: refused with 431", MAX_REQUEST_HEAD_BYTES)
+            self._send_json_error(
+                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "REQUEST_HEADERS_TOO_LARGE",
+                f"The request line and headers exceed {MAX_REQUEST_HEAD_BYTES} bytes.",
+            )
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
+        self._heads_completed += 1
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:

@@ -160,11 +160,12 @@ class Service:
 
 
 @asynccontextmanager
-async def running_service(settings: Settings) -> AsyncIterator[Service]:
+async def running_service(settings: Settings, **server: Any) -> AsyncIterator[Service]:
+    """The app under a real uvicorn; `server` overrides uvicorn's config (proxy headers...)."""
     metrics = Metrics(process=False)
     app = create_app(settings, metrics=metrics)
     async with (
-        serve_in_loop(app, lifespan="on", http=HttpToolsProtocol) as url,
+        serve_in_loop(app, lifespan="on", http=HttpToolsProtocol, **server) as url,
         httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0)) as client,
     ):
         yield Service(url, metrics, client, settings)

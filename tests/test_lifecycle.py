@@ -56,7 +56,9 @@ async def scan_as(svc: Service, user: str, seed: int) -> ScanOutcome:
 
 
 @asynccontextmanager
-async def stalled_scan(svc: Service, user: str, seed: int = 30) -> AsyncIterator[str]:
+async def stalled_scan(
+    svc: Service, user: str | None, seed: int = 30, headers: dict[str, str] | None = None
+) -> AsyncIterator[str]:
     """A scan held open mid-answer (the simulator stalls its stream); yields its job id.
     Leaving the block disconnects the client."""
     async with (
@@ -66,7 +68,7 @@ async def stalled_scan(svc: Service, user: str, seed: int = 30) -> AsyncIterator
             "POST",
             SCAN_URL,
             json={"image_url": data_url(make_jpeg(seed))},
-            headers={"X-User-ID": user},
+            headers={**({"X-User-ID": user} if user else {}), **(headers or {})},
         ) as source,
     ):
         assert source.response.status_code == 200
@@ -191,3 +193,23 @@ async def test_client_gone_mid_upload_is_one_log_line_not_a_traceback(
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info], caplog.text
     assert service.metric("ecoscan_scans_total", {"outcome": "rejected", "code": "CLIENT_DISCONNECTED"}) == 1
     assert_nothing_held(service)
+
+
+async def test_behind_a_trusted_proxy_anonymous_caps_use_the_forwarded_address(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """uvicorn's proxy headers (FORWARDED_ALLOW_IPS) decide the address anonymous scans
+    are capped by: two phones behind one load balancer do not share its slots."""
+    settings = settings_for(database_url, sim, max_inflight_per_user=1)
+    await sim_configure(sim, stall_rate=1.0, stall_s=10.0)
+    phone = {"X-Forwarded-For": "203.0.113.7"}
+    async with (
+        running_service(settings, proxy_headers=True, forwarded_allow_ips="127.0.0.1") as svc,
+        stalled_scan(svc, None, headers=phone),
+    ):
+        again = await run_scan(svc.client, json={"image_url": data_url(make_jpeg(3))}, headers=phone)
+        assert (again.status, again.body["code"]) == (429, "USER_CONCURRENCY_LIMIT")
+        await sim_configure(sim, stall_rate=0.0)
+        other_phone = {"X-Forwarded-For": "203.0.113.8"}
+        other = await run_scan(svc.client, json={"image_url": data_url(make_jpeg(3))}, headers=other_phone)
+        assert other.terminal.event == "done"
