@@ -36,12 +36,15 @@ class SlowUpload:
         self.writer.write(data)
         await self.writer.drain()
 
-    async def trickle(self, data: bytes, *, every_s: float) -> None:
-        """`data` every `every_s` until the server stops reading."""
-        with contextlib.suppress(OSError):
-            while True:
-                await self.send(data)
-                await asyncio.sleep(every_s)
+    async def trickle(self, data: bytes, *, every_s: float, for_s: float) -> None:
+        """`data` every `every_s` for `for_s`. Stopping before the server's deadline
+        matters: bytes still unread when it closes would turn its FIN into a reset that
+        can discard the response before the test reads it."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + for_s
+        while loop.time() < until:
+            await self.send(data)
+            await asyncio.sleep(every_s)
 
     async def response(self, timeout_s: float = 30) -> tuple[int, dict[str, str], dict[str, Any]]:
         async with asyncio.timeout(timeout_s):
@@ -50,6 +53,13 @@ class SlowUpload:
             headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
             body = await self.reader.readexactly(int(headers["content-length"]))
         return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, json.loads(body)
+
+    async def response_head(self, timeout_s: float = 30) -> tuple[int, dict[str, str], bytes]:
+        async with asyncio.timeout(timeout_s):
+            head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:] if ": " in line)}
+        return int(lines[0].split()[1]), headers, head
 
     async def closed_by_server(self, timeout_s: float = 10) -> bool:
         async with asyncio.timeout(timeout_s):
@@ -79,11 +89,9 @@ async def test_a_trickling_upload_gets_408_and_its_connection_closed(
 ) -> None:
     settings = settings_for(database_url, sim, body_read_timeout_s=0.5, body_min_bytes_per_s=1_000_000)
     async with running_service(settings) as svc, slow_upload(svc, 100_000) as upload:
-        trickle = asyncio.create_task(upload.trickle(b"{" * 10, every_s=0.05))
-        try:
-            status, headers, body = await upload.response()
-        finally:
-            trickle.cancel()
+        # 10 bytes every 50 ms for 0.25 s: far below the minimum rate, done before the deadline.
+        await upload.trickle(b"{" * 10, every_s=0.05, for_s=0.25)
+        status, headers, body = await upload.response()
         assert (status, body["code"]) == (408, "BODY_READ_TIMEOUT")
         assert headers["connection"] == "close"
         assert await upload.closed_by_server()
@@ -150,3 +158,19 @@ async def _fill_the_cap(svc: Service, stack: contextlib.AsyncExitStack, cap: int
     refused = await svc.client.post(SCAN_URL, json={"image_url": data_url(photo)})
     assert refused.status_code == 503 and refused.json()["code"] == "UPLOADS_AT_CAPACITY"
     assert int(refused.headers["Retry-After"]) >= 1
+
+
+async def test_a_slow_upload_above_the_minimum_rate_outlasts_the_base_timeout(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """The deadline moves with progress: 5 KB/s against a 2 KB/s minimum gets through
+    although the whole body takes several times BODY_READ_TIMEOUT_S."""
+    settings = settings_for(database_url, sim, body_read_timeout_s=0.3, body_min_bytes_per_s=2000)
+    body = json.dumps({"image_url": data_url(make_jpeg(9, (160, 120)))}).encode()
+    assert len(body) > 3000  # > 0.6 s at 5 KB/s: twice the base timeout
+    async with running_service(settings) as svc, slow_upload(svc, len(body)) as upload:
+        for start in range(0, len(body), 100):
+            await upload.send(body[start : start + 100])
+            await asyncio.sleep(0.02)
+        status, headers, _ = await upload.response_head()
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
