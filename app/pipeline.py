@@ -50,10 +50,19 @@ class ScanRun:
         self.scan = scan
         self.log = EventLog()
         self.task: asyncio.Task[None] | None = None
+        self.started = False
+        self.cancel_requested = False
 
     def cancel(self) -> None:
-        if self.task is not None and not self.task.done():
+        """Cancel the scan. A task cancelled before its first step would never run its
+        cleanup (no terminal row or event, the admission slot kept), so until it has
+        started the request is only noted, and the scan cancels itself at its start."""
+        if self.task is None or self.task.done():
+            return
+        if self.started:
             self.task.cancel()
+        else:
+            self.cancel_requested = True
 
 
 class ScanPipeline:
@@ -73,16 +82,19 @@ class ScanPipeline:
         self._scan_deadline_s = scan_deadline_s
         self._clock = clock
         self._on_finished = on_finished
-        self.running: set[asyncio.Task[None]] = set()
+        self.running: dict[asyncio.Task[None], ScanRun] = {}
         self.accepting = True
         self._shutting_down = False
 
     def start(self, scan: AcceptedScan) -> ScanRun:
         run = ScanRun(scan)
-        run.task = asyncio.create_task(self._run(scan, run.log), name=f"scan-{scan.id}")
-        self.running.add(run.task)
-        run.task.add_done_callback(self.running.discard)
+        run.task = task = asyncio.create_task(self._run(run), name=f"scan-{scan.id}")
+        self.running[task] = run
+        task.add_done_callback(self._forget)
         return run
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self.running.pop(task, None)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for every running scan to end; True if they all did."""
@@ -99,18 +111,22 @@ class ScanPipeline:
         event) and wait for them."""
         self.accepting = False
         self._shutting_down = True
-        tasks = list(self.running)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        runs = list(self.running.values())
+        for run in runs:
+            run.cancel()
+        await asyncio.gather(*(run.task for run in runs if run.task), return_exceptions=True)
 
-    async def _run(self, scan: AcceptedScan, events: EventLog) -> None:
+    async def _run(self, run: ScanRun) -> None:
+        scan, events = run.scan, run.log
         progress = ScanProgress(self._runner.stages[0].name, dict(scan.timings), {})
         deadline = self._clock.now() + self._scan_deadline_s
         started = time.perf_counter()
         self._metrics.scans_in_flight.inc()
         outcome = "failed"
         try:
+            run.started = True
+            if run.cancel_requested:
+                raise asyncio.CancelledError()
             await self._stages(scan, events, progress, deadline)
             await self._commit_completed(scan, progress, deadline)
             events.append(ScanDone("done", progress.result, progress.timings), 100)

@@ -3,11 +3,13 @@ the runner, read as domain events from the scan's log, not as SSE."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+import asyncpg
 import pytest
 
 from app.metrics import Metrics
@@ -18,7 +20,7 @@ from app.scan_input import parse_scan_body
 from app.sim.server import RunningSimulator
 from app.stage_runner import progress_spans
 
-from .conftest import data_url, make_jpeg, settings_for, sim_configure
+from .conftest import data_url, make_jpeg, scan_row, settings_for, sim_configure
 
 STAGES = ["vision", "rule", "answer", "reward"]
 
@@ -112,3 +114,32 @@ def test_progress_spans_and_owed_calls_come_from_the_stage_list(resources: Resou
     spans = progress_spans(runner.stages)
     bounds = [b for s in STAGES for b in (spans[s].started, spans[s].completed)]
     assert bounds == sorted(bounds) and bounds[0] > 0 and bounds[-1] < 100
+
+
+async def test_a_scan_cancelled_before_its_first_step_still_ends_once(
+    resources: Resources, db: asyncpg.Connection
+) -> None:
+    """A task cancelled before it ever ran would skip its cleanup; the run defers the
+    cancel to its first step, so the row, the event and the slot all come out right."""
+    body = json.dumps({"image_url": data_url(make_jpeg(64))}).encode()
+    scan_input = parse_scan_body(body, "application/json", resources.input_limits)
+    ticket = await resources.admission.admit("early-cancel")
+    scan_id = uuid.uuid4()
+    await resources.store.create(
+        scan_id, user_id="early-cancel", image_source="data_url", image_sha256=None, user_input=None
+    )
+    run = resources.pipeline.start(
+        AcceptedScan(scan_id, "early-cancel", scan_input, ticket, time.perf_counter())
+    )
+    run.cancel()  # same tick: the task has not run yet
+    assert run.task is not None
+    with pytest.raises(asyncio.CancelledError):
+        await run.task
+    async with asyncio.timeout(10):  # without a terminal event, following never ends
+        entries = [entry async for entry in run.log.follow()]
+    assert_well_formed(entries)
+    error = entries[-1].event
+    assert isinstance(error, ScanErrored) and error.code == "CLIENT_DISCONNECTED"
+    row = await scan_row(db, str(scan_id))
+    assert (row["status"], row["error_code"]) == ("cancelled", "CLIENT_DISCONNECTED")
+    assert resources.admission.in_flight == 0 and not resources.pipeline.running
