@@ -91,6 +91,8 @@ class ScanPipeline:
         run.task = task = asyncio.create_task(self._run(run), name=f"scan-{scan.id}")
         self.running[task] = run
         task.add_done_callback(self._forget)
+        if self._shutting_down:  # accepted while the drain was ending: it ends at once
+            run.cancel()
         return run
 
     def _forget(self, task: asyncio.Task[None]) -> None:

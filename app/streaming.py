@@ -15,15 +15,39 @@ cancel scope, where every await would be cancelled again.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from sse_starlette.sse import AppStatus
+from sse_starlette.sse import AppStatus, SendTimeoutError
+from starlette.types import Receive, Scope, Send
 
 from app.metrics import Metrics
 from app.pipeline import ScanRun
 from app.scan_events import LogEntry
+
+log = logging.getLogger(__name__)
+
+
+# A client that stops reading (its TCP window full) blocks a send; after this long the
+# stream ends as if it had disconnected, instead of holding the response forever.
+SEND_TIMEOUT_S = 30.0
+
+
+class _ScanStream(EventSourceResponse):
+    """A client that stopped reading is an ordinary event: one log line, no traceback
+    (the generator's `finally` has already cancelled the scan)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            log.warning(
+                "%s: the client stopped reading for %.0f s; stream closed",
+                self.headers.get("x-scan-id"),
+                SEND_TIMEOUT_S,
+            )
 
 
 def take_over_shutdown() -> None:
@@ -34,9 +58,10 @@ def take_over_shutdown() -> None:
 
 
 def scan_response(run: ScanRun, metrics: Metrics, *, ping_s: float) -> EventSourceResponse:
-    return EventSourceResponse(
+    return _ScanStream(
         _events(run, metrics),
         ping=ping_s,
+        send_timeout=SEND_TIMEOUT_S,
         headers={
             "Cache-Control": "no-store",
             "X-Accel-Buffering": "no",
