@@ -111,15 +111,9 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             timeout_s=settings.answer_timeout_s,
         )
         reward = RewardStage(pool, characters, taxonomy.recyclable, timeout_s=settings.db_timeout_s)
+        # The scan's stages, in order: adding one is adding it here (see ARCHITECTURE.md).
         runner = StageRunner([vision, rules, answer, reward], metrics=metrics, clock=clock)
-        admission = Admission(
-            max_inflight=settings.max_inflight_scans,
-            per_user=settings.max_inflight_per_user,
-            wait_s=settings.admission_wait_s,
-            max_budget_wait_s=settings.max_budget_wait_s,
-            predicted_budget_wait=vision.predicted_budget_wait,
-            calls_per_scan=runner.calls_per_scan,
-        )
+        admission = _admission(settings, vision.predicted_budget_wait, runner.calls_per_scan)
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
         cpu.observers.append(metrics.observe_cpu_job)
         stack.callback(cpu.shutdown)
@@ -139,20 +133,13 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         input_limits = _input_limits(settings)
-        bodies = BodyReader(
-            BodyBudget(settings.body_buffer_max_bytes),
-            limit=input_limits.max_body_bytes,
-            timeout_s=settings.body_read_timeout_s,
-            min_bytes_per_s=settings.body_min_bytes_per_s,
-        )
-        metrics.body_bytes_buffered.set_function(_reader(bodies.budget, "in_use"))
         acceptance = ScanAcceptance(
             admission=admission,
             cpu=cpu,
             store=store,
             pipeline=pipeline,
             limits=input_limits,
-            bodies=bodies,
+            bodies=_body_reader(settings, input_limits, metrics),
             metrics=metrics,
         )
         drain = Drain(pipeline, drain_s=settings.shutdown_drain_s)
@@ -271,6 +258,30 @@ def _upstream(settings: Settings, client: openai.AsyncOpenAI, metrics: Metrics, 
         max_delay_s=settings.retry_max_delay_s,
     )
     return Upstream(client, budgets=budgets, gates=gates, retry=retry, metrics=metrics, clock=clock)
+
+
+def _admission(
+    settings: Settings, predicted_budget_wait: Callable[[int], float], calls_per_scan: int
+) -> Admission:
+    return Admission(
+        max_inflight=settings.max_inflight_scans,
+        per_user=settings.max_inflight_per_user,
+        wait_s=settings.admission_wait_s,
+        max_budget_wait_s=settings.max_budget_wait_s,
+        predicted_budget_wait=predicted_budget_wait,
+        calls_per_scan=calls_per_scan,
+    )
+
+
+def _body_reader(settings: Settings, limits: InputLimits, metrics: Metrics) -> BodyReader:
+    reader = BodyReader(
+        BodyBudget(settings.body_buffer_max_bytes),
+        limit=limits.max_body_bytes,
+        timeout_s=settings.body_read_timeout_s,
+        min_bytes_per_s=settings.body_min_bytes_per_s,
+    )
+    metrics.body_bytes_buffered.set_function(_reader(reader.budget, "in_use"))
+    return reader
 
 
 def _input_limits(settings: Settings) -> InputLimits:
