@@ -19,7 +19,7 @@ from app.limits.cpu_lane import CpuLane
 from app.metrics import Metrics
 from app.pipeline import ScanPipeline, ScanRun
 from app.scan_context import AcceptedScan
-from app.scan_input import InputLimits, ScanInput, parse_scan_body, request_kind
+from app.scan_input import InputLimits, ScanInput, check_content_encoding, parse_scan_body, request_kind
 from app.scan_store import ScanStore
 
 MAX_USER_ID_CHARS = 128
@@ -54,6 +54,7 @@ class ScanAcceptance:
             raise ServerShuttingDown(retry_after_s=SHUTTING_DOWN_RETRY_AFTER_S)
         content_type = request.headers.get("content-type", "")
         request_kind(content_type)  # 415 before reading anything
+        check_content_encoding(request.headers)  # 415 too: bodies are never decompressed
         user_id = _user_id(request)
         # Uploads cost time and memory, not admission: a slow upload holds no slot.
         body = await self._bodies.read(request)

@@ -7,7 +7,8 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   ├── ImageMissing, ImageInvalid, ImageTypeUnsupported, ImageTooLarge,
     │   │   ImageTooManyPixels, PayloadTooLarge, InvalidRequest, UserInputTooLong,
     │   │   ContentTypeUnsupported, BodyReadTimeout,
-    │   │   ClientDisconnected (499: gone before its body was read)
+    │   │   ClientDisconnected (499: gone before its body was read),
+    │   │   InvalidText, ContentEncodingUnsupported
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
     │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
     │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
@@ -132,6 +133,23 @@ class ClientDisconnected(RequestRejected):
     status = 499
     code = "CLIENT_DISCONNECTED"
     default_message = "The client disconnected before the request was read."
+
+
+class InvalidText(RequestRejected):
+    """A text field that is not text: invalid UTF-8, NUL, a lone surrogate or a Unicode
+    noncharacter. Refused here, never left for the database (or the SDK) to refuse."""
+
+    status = 422
+    code = "INVALID_TEXT"
+    default_message = "user_input contains characters that are not text."
+
+
+class ContentEncodingUnsupported(RequestRejected):
+    """A compressed (or otherwise encoded) body: bodies are read as sent, identity only."""
+
+    status = 415
+    code = "CONTENT_ENCODING_UNSUPPORTED"
+    default_message = "Content-Encoding is not supported: send the body uncompressed."
 
 
 # --- admission -------------------------------------------------------------------

@@ -4,8 +4,10 @@ OpenAI fetches an image URL from its own network, but an OpenAI-compatible serve
 might be configured against fetches it from ours: a URL naming `localhost`, a private
 address or a cloud metadata endpoint would make it a proxy into our network (SSRF). So
 before any stream starts a URL must be absolute `https://`, at most 2,048 characters,
-with no userinfo, a valid IDNA host name with at least one dot (no `localhost`, no
-single-label intranet names), and, if the host is an IP literal, a public address.
+printable (no whitespace, control characters, NUL, lone surrogates or noncharacters:
+the SDK could not even encode some of those), with no userinfo, a valid IDNA host name
+with at least one dot (no `localhost`, no single-label intranet names), and, if the
+host is an IP literal, a public address.
 A DNS name that *resolves* to a private address is not caught here (that needs the
 fetcher's own resolver); the compatible server's egress policy must cover that.
 """
@@ -13,6 +15,7 @@ fetcher's own resolver); the compatible server's egress policy must cover that.
 from __future__ import annotations
 
 import ipaddress
+import unicodedata
 from urllib.parse import urlsplit
 
 from app.errors import ImageUrlRejected
@@ -25,8 +28,10 @@ def check_image_url(url: str) -> str:
     """`url` if it is a public https URL; else `ImageUrlRejected` saying why."""
     if len(url) > MAX_IMAGE_URL_CHARS:
         raise ImageUrlRejected(f"image_url is longer than {MAX_IMAGE_URL_CHARS} characters.")
-    if not url.isprintable() or any(ch.isspace() for ch in url):
-        raise ImageUrlRejected("image_url contains whitespace or control characters.")
+    bad = next((i for i, ch in enumerate(url) if not ch.isprintable() or ch.isspace()), None)
+    if bad is not None:
+        # NUL, lone surrogates and noncharacters included: the SDK cannot even encode those.
+        raise ImageUrlRejected(f"image_url contains {describe_char(url[bad])} at index {bad}.")
     try:
         url.encode("utf-8")
         parts = urlsplit(url)
@@ -41,6 +46,28 @@ def check_image_url(url: str) -> str:
         raise ImageUrlRejected("image_url has an invalid port.")
     _check_host(parts.hostname)
     return url
+
+
+def describe_char(ch: str) -> str:
+    """`U+0000 (NUL)`, `U+D800 (a lone surrogate)`...: for error messages, which must
+    never echo the character itself (a lone surrogate cannot even be JSON-encoded)."""
+    code = ord(ch)
+    if code == 0:
+        kind = "NUL"
+    elif 0xD800 <= code <= 0xDFFF:
+        kind = "a lone surrogate"
+    elif 0xFDD0 <= code <= 0xFDEF or code & 0xFFFE == 0xFFFE:
+        kind = "a Unicode noncharacter"
+    elif ch.isspace():
+        kind = "whitespace"
+    else:
+        kind = {
+            "Cc": "a control character",
+            "Cf": "a format character",
+            "Co": "a private-use character",
+            "Cn": "an unassigned code point",
+        }.get(unicodedata.category(ch), "a character not allowed here")
+    return f"U+{code:04X} ({kind})"
 
 
 def _check_host(host: str) -> None:
