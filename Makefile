@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: run test lint typecheck check sim bench-images clean
+.PHONY: run test fuzz lint typecheck check sim bench-images clean
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -26,6 +26,14 @@ test: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+# The OpenAPI fuzz (tests/test_openapi.py) at length: `make test` runs it bounded (20
+# examples per operation, fixed seed); this runs FUZZ_MAX_EXAMPLES, with FUZZ_SEED to vary.
+FUZZ_MAX_EXAMPLES ?= 500
+FUZZ_SEED ?= 20261122
+fuzz: $(VENV)/.installed
+	FUZZ_MAX_EXAMPLES=$(FUZZ_MAX_EXAMPLES) FUZZ_SEED=$(FUZZ_SEED) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --timeout 3600 tests/test_openapi.py -k fuzz
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

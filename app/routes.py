@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from sse_starlette import EventSourceResponse
 
+from app import openapi as doc
 from app.resources import Resources
 from app.scan_store import DB_ERRORS
 from app.streaming import scan_response
@@ -24,24 +26,49 @@ def resources(request: Request) -> Resources:
     return res
 
 
-@router.post("/api/v1/scan/classify/completion")
+@router.post(
+    "/api/v1/scan/classify/completion",
+    operation_id="scan_classify_completion",
+    tags=["scan"],
+    summary="Classify a photo and stream the disposal guidance",
+    description=doc.SCAN_DESCRIPTION,
+    response_class=EventSourceResponse,
+    responses=doc.scan_responses(),
+    openapi_extra=doc.SCAN_OPENAPI_EXTRA,
+)
 async def classify_completion(request: Request) -> Response:
     r = resources(request)
     run = await r.acceptance.accept(request)
     return scan_response(run, r.metrics, ping_s=r.settings.sse_ping_s)
 
 
-@router.get("/api/v1/scan/categories")
+@router.get(
+    "/api/v1/scan/categories",
+    operation_id="list_categories",
+    tags=["scan"],
+    summary="The taxonomy: categories, known items, situation tags",
+    response_model=doc.Categories,
+)
 async def categories(request: Request) -> Response:
     return JSONResponse(resources(request).taxonomy.to_json())
 
 
-@router.get("/healthz")
+@router.get(
+    "/healthz", operation_id="healthz", tags=["operations"], summary="Liveness", response_model=doc.Health
+)
 async def healthz() -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    operation_id="readyz",
+    tags=["operations"],
+    summary="Readiness",
+    description=doc.READYZ_DESCRIPTION,
+    response_model=doc.Readiness,
+    responses=doc.READYZ_RESPONSES,
+)
 async def readyz(request: Request) -> Response:
     """Ready = accepting scans and the database answers within `READY_TIMEOUT_S`
     (acquire included). Turns 503 the moment the shutdown drain begins."""
@@ -64,6 +91,13 @@ async def _database_check(r: Resources) -> str:
     return "ok"
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    operation_id="metrics",
+    tags=["operations"],
+    summary="Prometheus metrics",
+    response_class=PlainTextResponse,
+    response_description=doc.METRICS_DESCRIPTION,
+)
 async def metrics(request: Request) -> Response:
     return Response(resources(request).metrics.render(), media_type="text/plain; version=0.0.4")
