@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFile
 
-from app.errors import ImageInvalid, ImageTooLarge, ImageTooManyPixels, ImageTypeUnsupported
-from app.images import ImageLimits, decode_data_url, prepare_image, sniff_mime
+from app import images
+from app.errors import CpuLaneSaturated, ImageInvalid, ImageTooLarge, ImageTooManyPixels, ImageTypeUnsupported
+from app.images import (
+    DecodeBudget,
+    ImageLimits,
+    _jpeg_is_multiscan,
+    decode_budget,
+    decode_data_url,
+    decode_plan,
+    prepare_image,
+    sniff_mime,
+)
 
-from .conftest import data_url, make_jpeg
+from .conftest import Service, data_url, make_jpeg, run_scan
 
 LIMITS = ImageLimits(max_bytes=10_000_000, max_pixels=40_000_000, long_side=768, jpeg_quality=85)
 
@@ -78,3 +94,344 @@ def test_rejections() -> None:
         decode_data_url("data:image/tiff;base64,AAAA", 1000)
     with pytest.raises(ImageTooLarge):
         decode_data_url(data_url(make_jpeg(1)), 1000)
+
+
+# --- formats we recognise but do not accept: 415, and garbage: 400 ---------------------
+
+
+def pillow_bytes(fmt: str, mode: str = "RGB", size: tuple[int, int] = (64, 48)) -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, (10, 200, 30) if mode == "RGB" else 1).save(out, fmt)
+    return out.getvalue()
+
+
+UNSUPPORTED_IMAGES: dict[str, tuple[Callable[[], bytes], str]] = {
+    "tiff": (lambda: pillow_bytes("TIFF"), "image/tiff"),
+    "tiff-big-endian": (lambda: b"MM\x00*\x00\x00\x00\x08" + b"\x00" * 64, "image/tiff"),
+    "bmp": (lambda: pillow_bytes("BMP"), "image/bmp"),
+    "ico": (lambda: pillow_bytes("ICO"), "image/x-icon"),
+    "ppm": (lambda: pillow_bytes("PPM"), "image/x-portable-anymap"),
+    "qoi": (lambda: pillow_bytes("QOI"), "image/qoi"),
+    "dds": (lambda: pillow_bytes("DDS"), "image/vnd-ms.dds"),
+    "pcx": (lambda: pillow_bytes("PCX"), "image/x-pcx"),
+    "tga": (lambda: pillow_bytes("TGA"), "image/x-tga"),
+    "sgi": (lambda: pillow_bytes("SGI"), "image/x-sgi"),
+    "jpeg2000": (
+        lambda: b"\x00\x00\x00\x0cjP  \r\n\x87\n\x00\x00\x00\x14ftypjp2 " + b"\x00" * 32,
+        "image/jp2",
+    ),
+    "jpeg-xl": (lambda: b"\x00\x00\x00\x0cJXL \r\n\x87\n" + b"\x00" * 32, "image/jxl"),
+    "psd": (lambda: b"8BPS\x00\x01" + b"\x00" * 64, "image/vnd.adobe.photoshop"),
+    "heic": (lambda: b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + b"\x00" * 64, "image/heic"),
+    "heif": (lambda: b"\x00\x00\x00\x18ftypmif1\x00\x00\x00\x00mif1heic" + b"\x00" * 64, "image/heif"),
+    "avif": (lambda: b"\x00\x00\x00\x20ftypavif\x00\x00\x00\x00avifmif1miaf" + b"\x00" * 64, "image/avif"),
+    "svg": (
+        lambda: b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"></svg>',
+        "image/svg+xml",
+    ),
+    "svg-xml-prolog": (
+        lambda: (
+            b'\xef\xbb\xbf\n  <?xml version="1.0" encoding="UTF-8"?>\n'
+            b'<!DOCTYPE svg PUBLIC "-//W3C//DTD SVG 1.1//EN" "http://www.w3.org/Graphics/SVG/1.1/DTD/svg11.dtd">\n'
+            b'<svg xmlns="http://www.w3.org/2000/svg"><rect width="5" height="5"/></svg>'
+        ),
+        "image/svg+xml",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", UNSUPPORTED_IMAGES)
+def test_recognised_images_we_do_not_accept_are_unsupported_not_invalid(name: str) -> None:
+    make, mime = UNSUPPORTED_IMAGES[name]
+    raw = make()
+    assert sniff_mime(raw) == mime
+    with pytest.raises(ImageTypeUnsupported) as caught:
+        prepare_image(raw, LIMITS)
+    assert caught.value.status == 415 and mime in caught.value.message
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"hello, world",
+        b"BMW is a car maker, not a bitmap header",  # "BM" without a DIB header
+        b"P1 is the first parking level",  # "P1" without a PNM size
+        b"<html><body><svg></svg></body></html>",  # markup, but not an SVG document
+        b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n",
+        b"\x00\x00\x01\x00",  # an ICO magic with nothing after it
+        b"GIF89a but not really a gif",
+        bytes(range(256)) * 4,
+    ],
+)
+def test_bytes_that_are_no_image_are_invalid(raw: bytes) -> None:
+    with pytest.raises(ImageInvalid) as caught:
+        prepare_image(raw, LIMITS)
+    assert caught.value.status == 400
+
+
+def test_the_accepted_formats_are_unchanged() -> None:
+    for fmt, mime in (
+        ("JPEG", "image/jpeg"),
+        ("PNG", "image/png"),
+        ("GIF", "image/gif"),
+        ("WEBP", "image/webp"),
+    ):
+        raw = pillow_bytes(fmt)
+        assert sniff_mime(raw) == mime
+        assert decoded(prepare_image(raw, LIMITS).data_url).format == "JPEG"
+
+
+async def test_unsupported_formats_get_415_over_http(service: Service) -> None:
+    tiff = await run_scan(service.client, files={"image": ("x.tif", pillow_bytes("TIFF"), "image/tiff")})
+    assert (tiff.status, tiff.body["code"]) == (415, "IMAGE_TYPE_UNSUPPORTED")
+    # The label says PNG; the bytes are an SVG document.
+    svg = UNSUPPORTED_IMAGES["svg"][0]()
+    labelled = await run_scan(service.client, json={"image_url": data_url(svg, "image/png")})
+    assert (labelled.status, labelled.body["code"]) == (415, "IMAGE_TYPE_UNSUPPORTED")
+    garbage = await run_scan(service.client, files={"image": ("x.bmp", b"BMW, not a bitmap", "image/bmp")})
+    assert (garbage.status, garbage.body["code"]) == (400, "IMAGE_INVALID")
+
+
+# --- memory: estimate before decoding, a budget, no full-size copies -------------------
+
+
+def close_to(pixel: object, expected: tuple[int, ...], tolerance: int = 6) -> bool:
+    assert isinstance(pixel, tuple)
+    return all(abs(a - b) <= tolerance for a, b in zip(pixel, expected, strict=True))
+
+
+BIG_SIDE = 6300  # the reported case: 39.7 Mpx, under the 40 Mpx limit
+
+
+@pytest.fixture(scope="module")
+def big_rgba_png() -> bytes:
+    """A 6300x6300 RGBA PNG, mostly transparent: a few hundred KB that decode to 159 MB."""
+    img = Image.new("RGBA", (BIG_SIDE, BIG_SIDE), (0, 0, 0, 0))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle((BIG_SIDE // 2, 0, BIG_SIDE - 1, BIG_SIDE - 1), fill=(200, 30, 40, 255))
+    out = io.BytesIO()
+    img.save(out, "PNG")
+    return out.getvalue()
+
+
+def test_the_big_rgba_png_is_estimated_from_its_header(big_rgba_png: bytes) -> None:
+    plan = decode_plan(big_rgba_png, LIMITS)
+    assert plan.decoded_size == (BIG_SIDE, BIG_SIDE)
+    assert plan.decoder_bytes == BIG_SIDE * BIG_SIDE * 4  # RGBA, as Pillow stores it
+    # Everything else (tiles, the reduced image, the thumbnail) is small beside it.
+    assert plan.working_bytes < 16 * 2**20
+    # It fits the default budget (8 B x max_pixels) alone, but two do not run at once.
+    assert LIMITS.decode_budget == 320_000_000
+    assert plan.cost <= LIMITS.decode_budget < 2 * plan.cost
+
+
+def test_the_big_rgba_png_is_prepared_without_a_full_size_copy(
+    big_rgba_png: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every image Pillow derives from another (convert, crop, copy, reduce, new, transpose...)
+    # goes through Image._new; the decoded image itself does not.
+    derived: list[tuple[int, int]] = []
+    original_new = Image.Image._new
+
+    def spy(self: Image.Image, im: Any) -> Image.Image:
+        derived.append(im.size)
+        return original_new(self, im)
+
+    monkeypatch.setattr(Image.Image, "_new", spy)
+    prepared = prepare_image(big_rgba_png, LIMITS)
+    monkeypatch.undo()
+    assert (prepared.width, prepared.height) == (768, 768)
+    largest = max(w * h for w, h in derived)
+    assert largest <= (BIG_SIDE * BIG_SIDE) // 40, f"a {largest}-pixel intermediate"
+    img = decoded(prepared.data_url).convert("RGB")
+    assert close_to(img.getpixel((100, 384)), (255, 255, 255))  # transparent: white
+    assert close_to(img.getpixel((660, 384)), (200, 30, 40))
+
+
+def test_an_image_over_the_budget_is_refused_before_decoding(
+    big_rgba_png: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_decoding(self: ImageFile.ImageFile) -> None:
+        raise AssertionError("decoded despite the budget")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    small_budget = dataclasses.replace(LIMITS, decode_budget_bytes=100 * 2**20)
+    with pytest.raises(ImageTooManyPixels) as caught:
+        prepare_image(big_rgba_png, small_budget)
+    assert caught.value.status == 413 and "MiB" in caught.value.message
+
+
+def test_the_decode_holds_its_estimate_of_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = pillow_bytes("PNG", "RGB", (2000, 1000))
+    limits = dataclasses.replace(LIMITS, decode_budget_bytes=123_456_789)
+    budget = decode_budget(limits.decode_budget)
+    held_while_loading: list[int] = []
+    original_load = ImageFile.ImageFile.load
+
+    def load(self: ImageFile.ImageFile) -> Any:
+        held_while_loading.append(budget.in_use)
+        return original_load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    prepare_image(raw, limits)
+    assert held_while_loading and set(held_while_loading) == {decode_plan(raw, limits).cost}
+    assert budget.in_use == 0
+
+
+def test_jpeg_is_decoded_at_draft_scale() -> None:
+    plan = decode_plan(make_jpeg(1, (4032, 3024)), LIMITS)
+    assert plan.size == (4032, 3024) and plan.decoded_size == (1008, 756)
+    assert plan.decoder_bytes == 1008 * 756 * 4
+
+
+def test_progressive_jpeg_counts_the_coefficient_buffer() -> None:
+    out = io.BytesIO()
+    Image.new("RGB", (2000, 1500), (9, 99, 199)).save(out, "JPEG", progressive=True)  # 4:2:0
+    plan = decode_plan(out.getvalue(), LIMITS)
+    # Y at full size, Cb and Cr at half size each way, padded to 16x16 MCUs, 2 bytes a sample.
+    coefficients = 2000 * 1504 * 2 + 2 * (1000 * 752 * 2)
+    assert plan.decoder_bytes == plan.decoded_size[0] * plan.decoded_size[1] * 4 + coefficients
+
+
+def test_a_baseline_jpeg_with_one_scan_per_component_is_multiscan() -> None:
+    sof = b"\xff\xc0\x00\x11\x08\x00\x10\x00\x10\x03" + b"\x01\x22\x00\x02\x11\x01\x03\x11\x01"
+    interleaved = b"\xff\xda\x00\x0c\x03\x01\x00\x02\x11\x03\x11\x00\x3f\x00"
+    one_component = b"\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00"
+    assert not _jpeg_is_multiscan(b"\xff\xd8" + sof + interleaved)
+    assert _jpeg_is_multiscan(b"\xff\xd8" + sof + one_component)
+
+
+def test_webp_counts_libwebps_buffers() -> None:
+    raw = pillow_bytes("WEBP", "RGB", (1000, 500))
+    assert decode_plan(raw, LIMITS).decoder_bytes == 1000 * 500 * 16
+    with pytest.raises(ImageTooManyPixels):
+        prepare_image(raw, dataclasses.replace(LIMITS, decode_budget_bytes=5 * 2**20))
+
+
+def test_a_gif_frame_beyond_its_screen_is_checked_before_opening(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Screen 10x10; the first frame sits at x=30000, so Pillow's canvas would be 30001x10,
+    # and Pillow allocates the frame's disposal buffer while opening.
+    header = b"GIF89a" + struct.pack("<2H", 10, 10) + b"\x00\x00\x00"
+    frame = b"," + struct.pack("<4H", 30000, 0, 1, 1) + b"\x00" + b"\x02\x02\x4c\x01\x00;"
+    limits = dataclasses.replace(LIMITS, max_pixels=100_000)
+
+    def no_opening(*args: object, **kwargs: object) -> None:
+        raise AssertionError("opened despite the pixel limit")
+
+    monkeypatch.setattr(Image, "open", no_opening)
+    with pytest.raises(ImageTooManyPixels):
+        prepare_image(header + frame, limits)
+    monkeypatch.undo()
+    # Pillow agrees about the canvas.
+    assert decode_plan(header + frame, dataclasses.replace(limits, max_pixels=300_010)).size == (30001, 10)
+
+
+@pytest.mark.parametrize(
+    ("mode", "save_kwargs"),
+    [
+        ("RGBA", {}),
+        ("LA", {}),
+        ("P", {"transparency": 0}),
+        ("RGB", {"transparency": (0, 0, 0)}),
+        ("L", {"transparency": 0}),
+    ],
+)
+def test_transparency_becomes_white_in_every_mode(mode: str, save_kwargs: dict[str, Any]) -> None:
+    # Left half transparent (or the transparent colour), right half opaque grey.
+    img = Image.new("RGBA", (3000, 1000), (0, 0, 0, 0))
+    ImageDraw.Draw(img).rectangle((1500, 0, 2999, 999), fill=(128, 128, 128, 255))
+    if mode == "P":
+        source = img.convert("RGB").convert("P", palette=Image.Palette.ADAPTIVE)
+        save_kwargs = {"transparency": source.getpixel((0, 0))}
+    else:
+        source = img.convert(mode)
+    out = io.BytesIO()
+    source.save(out, "PNG", **save_kwargs)
+    prepared = decoded(prepare_image(out.getvalue(), LIMITS).data_url).convert("L")
+    assert prepared.size == (768, 256)
+    left, right = prepared.getpixel((100, 128)), prepared.getpixel((660, 128))
+    assert isinstance(left, int) and isinstance(right, int)
+    assert left >= 250  # was transparent: white
+    assert abs(right - 128) <= 6  # opaque grey survives
+
+
+@pytest.mark.parametrize("mode", ["1", "I;16", "CMYK"])
+def test_other_modes_are_converted(mode: str) -> None:
+    img = Image.new("L", (2400, 1200), 255).convert(mode)
+    out = io.BytesIO()
+    img.save(out, "JPEG" if mode == "CMYK" else "PNG")
+    prepared = prepare_image(out.getvalue(), LIMITS)
+    assert (prepared.width, prepared.height) == (768, 384)
+
+
+# --- the budget itself ---------------------------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], bool]) -> None:
+    for _ in range(5000):
+        if predicate():
+            return
+        time.sleep(0.001)
+    raise AssertionError("condition not reached")
+
+
+def test_the_budget_makes_a_decode_wait_until_it_fits() -> None:
+    budget = DecodeBudget(10)
+    entered: list[str] = []
+    leave = threading.Event()
+
+    def take() -> None:
+        with budget.hold(6):
+            entered.append("second")
+            leave.wait(10)
+
+    with budget.hold(6):
+        second = threading.Thread(target=take)
+        second.start()
+        wait_until(lambda: budget.waiting == 1)
+        assert entered == [] and budget.in_use == 6
+    wait_until(lambda: entered == ["second"])
+    assert budget.in_use == 6 and budget.waiting == 0
+    leave.set()
+    second.join(timeout=10)
+    assert budget.in_use == 0
+
+
+def test_the_budget_is_first_come_first_served() -> None:
+    budget = DecodeBudget(10)
+    order: list[str] = []
+
+    def take(name: str, nbytes: int) -> None:
+        with budget.hold(nbytes):
+            order.append(name)
+
+    first = budget.hold(6)
+    first.__enter__()
+    big = threading.Thread(target=take, args=("big", 6))
+    big.start()
+    wait_until(lambda: budget.waiting == 1)
+    small = threading.Thread(target=take, args=("small", 2))  # would fit now, but is second in line
+    small.start()
+    wait_until(lambda: budget.waiting == 2)
+    assert order == []
+    first.__exit__(None, None, None)
+    big.join(timeout=10)
+    small.join(timeout=10)
+    assert order == ["big", "small"] and budget.in_use == 0
+
+
+def test_the_budget_refuses_what_can_never_fit() -> None:
+    with pytest.raises(ValueError), DecodeBudget(10).hold(11):
+        pass
+
+
+def test_a_decode_waits_for_the_budget_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every wait is bounded: past DECODE_WAIT_TIMEOUT_S the request is refused (503)."""
+    monkeypatch.setattr(images, "DECODE_WAIT_TIMEOUT_S", 0.05)
+    budget = DecodeBudget(10)
+    with budget.hold(6):
+        with pytest.raises(CpuLaneSaturated), budget.hold(6):
+            pass
+        assert budget.waiting == 0 and budget.in_use == 6
+    with budget.hold(10):  # the one that gave up left nothing behind
+        assert budget.in_use == 10
