@@ -85,6 +85,7 @@ class ScanPipeline:
         self.running: dict[asyncio.Task[None], ScanRun] = {}
         self.accepting = True
         self._shutting_down = False
+        self._row_writes: set[asyncio.Task[None]] = set()
 
     def start(self, scan: AcceptedScan) -> ScanRun:
         run = ScanRun(scan)
@@ -117,6 +118,8 @@ class ScanPipeline:
         for run in runs:
             run.cancel()
         await asyncio.gather(*(run.task for run in runs if run.task), return_exceptions=True)
+        if self._row_writes:  # rows still being written by scans cancelled mid-write (each bounded)
+            await asyncio.wait(list(self._row_writes))
 
     async def _run(self, run: ScanRun) -> None:
         scan, events = run.scan, run.log
@@ -216,6 +219,9 @@ class ScanPipeline:
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
         row = TerminalRow(status, progress.result, progress.timings, (step, error.code, error.message))
         writing = asyncio.create_task(self._write_terminal_row(scan, row))
+        # Held until done: a write that outlives a cancelled scan must not be collected.
+        self._row_writes.add(writing)
+        writing.add_done_callback(self._row_writes.discard)
         try:
             await asyncio.shield(writing)
         finally:
