@@ -9,6 +9,7 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   │   ContentTypeUnsupported, BodyReadTimeout,
     │   │   ClientDisconnected (499: gone before its body was read),
     │   │   InvalidText, ContentEncodingUnsupported
+    │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
     │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
     │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
@@ -42,6 +43,10 @@ class EcoscanError(Exception):
 
     def to_json(self) -> dict[str, Any]:
         return {"detail": self.message, "code": self.code}
+
+    def headers(self) -> dict[str, str]:
+        """Response headers this error needs (a fresh dict, the caller may add to it)."""
+        return {}
 
 
 # --- client mistakes ---------------------------------------------------------------
@@ -150,6 +155,70 @@ class ContentEncodingUnsupported(RequestRejected):
     status = 415
     code = "CONTENT_ENCODING_UNSUPPORTED"
     default_message = "Content-Encoding is not supported: send the body uncompressed."
+
+
+class ScanNotFound(NotFound):
+    """No such scan, or not the caller's (the same answer: existence is not disclosed)."""
+
+    code = "SCAN_NOT_FOUND"
+    default_message = "No such scan."
+
+
+class ScanConflict(RequestRejected):
+    status = 409
+    code = "SCAN_CONFLICT"
+
+
+class ScanAlreadyFinished(ScanConflict):
+    code = "SCAN_FINISHED"
+    default_message = "The scan has already finished."
+
+
+class ScanRunningElsewhere(ScanConflict):
+    code = "SCAN_RUNNING_ELSEWHERE"
+    default_message = "The scan runs on another replica; its events can be read once it has finished."
+
+
+class ScanEventsGone(ScanConflict):
+    status = 410
+    code = "SCAN_EVENTS_UNAVAILABLE"
+    default_message = (
+        "The scan ended without a stored event log (its process was lost); read its status instead."
+    )
+
+
+class IdempotencyKeyReused(RequestRejected):
+    status = 422
+    code = "IDEMPOTENCY_KEY_REUSED"
+    default_message = "This Idempotency-Key was used for a different request."
+
+
+class Unauthorized(RequestRejected):
+    """No acceptable identity: no bearer token where one is required (AUTH_MODE=jwt), or
+    no X-User-ID when AUTH_ALLOW_ANONYMOUS is false. The challenge goes in WWW-Authenticate."""
+
+    status = 401
+    code = "UNAUTHENTICATED"
+    default_message = "Authentication is required."
+    challenge: ClassVar[str] = "Bearer"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": self.challenge}
+
+
+class TokenInvalid(Unauthorized):
+    """A bearer token was given but cannot be accepted: malformed, bad signature, an
+    algorithm or key not allowed, wrong issuer or audience, not yet valid, no usable `sub`."""
+
+    code = "TOKEN_INVALID"
+    default_message = "The access token is invalid."
+    challenge = 'Bearer error="invalid_token"'
+
+
+class TokenExpired(TokenInvalid):
+    code = "TOKEN_EXPIRED"
+    default_message = "The access token has expired."
+    challenge = 'Bearer error="invalid_token", error_description="The access token expired"'
 
 
 # --- admission -------------------------------------------------------------------
@@ -276,6 +345,14 @@ class ScanDeadlineExceeded(ScanFailed):
     code = "SCAN_DEADLINE_EXCEEDED"
     retryable = True
     default_message = "The scan took longer than its deadline."
+
+
+class ScanCancelled(ScanFailed):
+    """The owner cancelled the scan (DELETE /api/v1/scan/{id})."""
+
+    code = "CANCELLED"
+    retryable = False
+    default_message = "The scan was cancelled by its owner."
 
 
 class ServerShutdown(ScanFailed):

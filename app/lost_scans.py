@@ -1,7 +1,8 @@
-"""Finding scans whose process died (SIGKILL, OOM, a lost host): their rows would stay
-`running` forever. Each process sweeps at start-up and then every `interval_s`; the
-store's sweep (`ScanStore.sweep_lost`) decides who is dead from PostgreSQL's own list
-of connections, so replicas sharing one database never sweep each other's live scans.
+"""Housekeeping of the scans table: purging old scans, and finding scans whose process
+died (SIGKILL, OOM, a lost host), whose rows would otherwise stay `running` forever.
+Each process sweeps at start-up and then every `interval_s`; the store's sweep
+(`ScanStore.sweep_lost`) decides who is dead from PostgreSQL's own list of
+connections, so replicas sharing one database never sweep each other's live scans.
 """
 
 from __future__ import annotations
@@ -41,4 +42,22 @@ async def sweep_lost_scans(store: ScanStore, *, interval_s: float) -> None:
                     len(lost),
                 )
             first = False
+        await asyncio.sleep(interval_s)
+
+
+# Deleting old scans a batch at a time keeps each statement short (no long locks, no
+# giant transaction); a backlog is worked through batch after batch.
+PURGE_BATCH = 1000
+
+
+async def purge_old_scans(store: ScanStore, *, retention_days: float, interval_s: float) -> None:
+    """Delete scans (rows and stored event logs) older than `retention_days`."""
+    while True:
+        try:
+            while (deleted := await store.purge(older_than_days=retention_days, batch=PURGE_BATCH)) > 0:
+                log.info("purged %d scans older than %g days", deleted, retention_days)
+                if deleted < PURGE_BATCH:
+                    break
+        except DatabaseError:
+            log.warning("scan purge: database unavailable; will retry")
         await asyncio.sleep(interval_s)

@@ -53,7 +53,7 @@ def create_app(settings: Settings | None = None, *, metrics: Metrics | None = No
 
 
 def error_response(exc: EcoscanError) -> JSONResponse:
-    headers = {}
+    headers = exc.headers()
     if isinstance(exc, Overloaded):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     if exc.close_connection:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 from app.errors import (
@@ -30,7 +31,8 @@ from app.errors import (
 from app.limits.clock import Clock
 from app.metrics import Metrics
 from app.scan_context import AcceptedScan, ScanContext
-from app.scan_events import AnswerDelta, EventLog, ScanDone, ScanErrored
+from app.scan_events import AnswerDelta, EventLog, LogEntry, ScanDone, ScanErrored
+from app.scan_run import ScanRun
 from app.scan_store import ScanStore, TerminalRow
 from app.stage_runner import PROGRESS_END, ScanProgress, StageRunner
 from app.upstream import safety_identifier
@@ -41,28 +43,9 @@ log = logging.getLogger(__name__)
 # pace until the scan's deadline, since `done` may only go out after that commit.
 COMMIT_FIRST_RETRY_S = 0.2
 COMMIT_MAX_RETRY_S = 2.0
-
-
-class ScanRun:
-    """One running scan: its task and the log of events it publishes."""
-
-    def __init__(self, scan: AcceptedScan) -> None:
-        self.scan = scan
-        self.log = EventLog()
-        self.task: asyncio.Task[None] | None = None
-        self.started = False
-        self.cancel_requested = False
-
-    def cancel(self) -> None:
-        """Cancel the scan. A task cancelled before its first step would never run its
-        cleanup (no terminal row or event, the admission slot kept), so until it has
-        started the request is only noted, and the scan cancels itself at its start."""
-        if self.task is None or self.task.done():
-            return
-        if self.started:
-            self.task.cancel()
-        else:
-            self.cancel_requested = True
+# How long an ended scan's run stays in memory after its task ends: a resume arriving
+# while its terminal row is still being written (or deferred) follows the memory log.
+FINISHED_RUN_KEPT_S = 60.0
 
 
 class ScanPipeline:
@@ -75,29 +58,38 @@ class ScanPipeline:
         scan_deadline_s: float,
         clock: Clock,
         on_finished: Callable[[float], None] | None = None,
+        disconnect_grace_s: float = 0.0,
     ) -> None:
         self._runner = runner
+        self._disconnect_grace_s = disconnect_grace_s
         self._store = store
         self._metrics = metrics
         self._scan_deadline_s = scan_deadline_s
         self._clock = clock
         self._on_finished = on_finished
         self.running: dict[asyncio.Task[None], ScanRun] = {}
+        # By scan id, running or just ended (kept FINISHED_RUN_KEPT_S for resumes that
+        # race the terminal row): what GET /api/v1/scan/{id}/events follows live.
+        self.runs: dict[uuid.UUID, ScanRun] = {}
         self.accepting = True
         self._shutting_down = False
         self._row_writes: set[asyncio.Task[None]] = set()
 
-    def start(self, scan: AcceptedScan) -> ScanRun:
-        run = ScanRun(scan)
+    def start(self, scan: AcceptedScan, *, token_sha256: str | None = None) -> ScanRun:
+        run = ScanRun(scan, grace_s=self._disconnect_grace_s, token_sha256=token_sha256)
         run.task = task = asyncio.create_task(self._run(run), name=f"scan-{scan.id}")
         self.running[task] = run
+        self.runs[scan.id] = run
         task.add_done_callback(self._forget)
         if self._shutting_down:  # accepted while the drain was ending: it ends at once
             run.cancel()
         return run
 
     def _forget(self, task: asyncio.Task[None]) -> None:
-        self.running.pop(task, None)
+        run = self.running.pop(task, None)
+        if run is not None:
+            scan_id = run.scan.id
+            asyncio.get_running_loop().call_later(FINISHED_RUN_KEPT_S, self.runs.pop, scan_id, None)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for every running scan to end; True if they all did."""
@@ -133,16 +125,17 @@ class ScanPipeline:
             if run.cancel_requested:
                 raise asyncio.CancelledError()
             await self._stages(scan, events, progress, deadline)
-            await self._commit_completed(scan, progress, deadline)
-            events.append(ScanDone("done", progress.result, progress.timings), 100)
+            done = await self._commit_completed(scan, events, progress, deadline)
+            run.ended("completed")
+            events.publish(done)
             outcome = "completed"
             self._metrics.scans.labels("completed", "").inc()
         except asyncio.CancelledError:
             outcome = "cancelled"
-            await self._cancelled(scan, events, progress)
+            await self._cancelled(run, progress)
             raise
         except Exception as exc:
-            await self._fail(scan, events, progress, exc)
+            await self._fail(run, progress, exc)
         finally:
             scan.ticket.release()
             elapsed = time.perf_counter() - started
@@ -167,15 +160,20 @@ class ScanPipeline:
             await self._runner.run(stage, ctx, events, progress, deadline)
         progress.step = "done"
 
-    async def _commit_completed(self, scan: AcceptedScan, progress: ScanProgress, deadline: float) -> None:
-        """`done` goes out only after this commit; while the database is away the
-        finished scan waits for it, up to its deadline, then fails with DATABASE_ERROR."""
+    async def _commit_completed(
+        self, scan: AcceptedScan, events: EventLog, progress: ScanProgress, deadline: float
+    ) -> LogEntry:
+        """The `done` entry, committed with the row (and the whole log) before anyone
+        sees it; while the database is away the finished scan waits for it, up to its
+        deadline, then fails with DATABASE_ERROR."""
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
-        row = TerminalRow("completed", progress.result, progress.timings)
+        done = events.next_entry(ScanDone("done", progress.result, progress.timings), 100)
+        row = TerminalRow("completed", progress.result, progress.timings, events=events.to_json(done))
         delay = COMMIT_FIRST_RETRY_S
         while True:
             try:
-                return await self._store.finish(scan.id, row)
+                await self._store.finish(scan.id, row)
+                return done
             except DatabaseError:
                 if self._clock.now() + delay >= deadline:
                     raise
@@ -183,19 +181,22 @@ class ScanPipeline:
                 await self._clock.sleep(delay)
                 delay = min(delay * 2, COMMIT_MAX_RETRY_S)
 
-    async def _cancelled(self, scan: AcceptedScan, events: EventLog, progress: ScanProgress) -> None:
-        if self._shutting_down:
-            error: EcoscanError = ServerShutdown()
+    async def _cancelled(self, run: ScanRun, progress: ScanProgress) -> None:
+        scan = run.scan
+        error: EcoscanError
+        if run.cancel_reason is not None:
+            error, step = run.cancel_reason, progress.step
+        elif self._shutting_down:
+            error = ServerShutdown()
             log.warning("scan %s cancelled in %s: the shutdown drain ended", scan.id, progress.step)
             step = progress.step
         else:  # the client went away; the event is for the log only, nobody is listening
             error, step = ClientDisconnected("The client went away."), "client"
         self._metrics.scans.labels("cancelled", "" if step == "client" else error.code).inc()
-        await self._end(scan, events, progress, "cancelled", step, error)
+        await self._end(run, progress, "cancelled", step, error)
 
-    async def _fail(
-        self, scan: AcceptedScan, events: EventLog, progress: ScanProgress, exc: Exception
-    ) -> None:
+    async def _fail(self, run: ScanRun, progress: ScanProgress, exc: Exception) -> None:
+        scan = run.scan
         error = exc if isinstance(exc, EcoscanError) else InternalError()
         if isinstance(exc, EcoscanError):
             cause = exc.__cause__ or exc
@@ -203,21 +204,23 @@ class ScanPipeline:
         else:
             log.exception("scan %s failed in %s with an unexpected error", scan.id, progress.step)
         self._metrics.scans.labels("failed", error.code).inc()
-        await self._end(scan, events, progress, "failed", progress.step, error)
+        await self._end(run, progress, "failed", progress.step, error)
 
     async def _end(
-        self,
-        scan: AcceptedScan,
-        events: EventLog,
-        progress: ScanProgress,
-        status: str,
-        step: str,
-        error: EcoscanError,
+        self, run: ScanRun, progress: ScanProgress, status: str, step: str, error: EcoscanError
     ) -> None:
         """The terminal row, then the terminal event. Cancelled while the row is being
         written (shutdown), the write goes on and the event still goes out."""
+        scan, events = run.scan, run.log
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
-        row = TerminalRow(status, progress.result, progress.timings, (step, error.code, error.message))
+        terminal = events.next_entry(ScanErrored(step, error.code, error.message, error.retryable))
+        row = TerminalRow(
+            status,
+            progress.result,
+            progress.timings,
+            (step, error.code, error.message),
+            events=events.to_json(terminal),
+        )
         writing = asyncio.create_task(self._write_terminal_row(scan, row))
         # Held until done: a write that outlives a cancelled scan must not be collected.
         self._row_writes.add(writing)
@@ -225,7 +228,8 @@ class ScanPipeline:
         try:
             await asyncio.shield(writing)
         finally:
-            events.append(ScanErrored(step, error.code, error.message, error.retryable))
+            run.ended(status)
+            events.publish(terminal)
 
     async def _write_terminal_row(self, scan: AcceptedScan, row: TerminalRow) -> None:
         """If the database does not take the row now, the store keeps writing it."""

@@ -23,8 +23,10 @@ import openai
 
 from app.acceptance import ScanAcceptance
 from app.body_reader import BodyBudget, BodyReader
+from app.collections import Collections
 from app.database import EmbeddedPostgres, apply_migrations, bundled_migrations, create_pool, tagged_dsn
 from app.drain import Drain
+from app.identity import Authenticator
 from app.images import ImageLimits
 from app.limits.admission import Admission
 from app.limits.clock import Clock, MonotonicClock
@@ -33,9 +35,10 @@ from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
 from app.loop_lag import probe_loop_lag
-from app.lost_scans import sweep_lost_scans
+from app.lost_scans import purge_old_scans, sweep_lost_scans
 from app.metrics import Metrics
 from app.pipeline import ScanPipeline
+from app.scan_access import ScanAccess
 from app.scan_input import InputLimits
 from app.scan_store import ScanStore
 from app.settings import Settings
@@ -62,6 +65,8 @@ CLOSE_TIMEOUT_S = 5.0
 
 # How often every process looks for `running` rows of processes that died.
 LOST_SCAN_SWEEP_S = 30.0
+# How often scans older than SCAN_RETENTION_DAYS are purged (in bounded batches).
+PURGE_INTERVAL_S = 3600.0
 
 
 @dataclass
@@ -78,6 +83,9 @@ class Resources:
     store: ScanStore
     pipeline: ScanPipeline
     drain: Drain
+    identity: Authenticator
+    access: ScanAccess
+    collections: Collections
     acceptance: ScanAcceptance
     input_limits: InputLimits
     upstream_base_url: str
@@ -125,6 +133,7 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             scan_deadline_s=settings.scan_deadline_s,
             clock=clock,
             on_finished=admission.observe_scan_duration,
+            disconnect_grace_s=settings.disconnect_grace_s,
         )
         # Runs first on the way out: scans the drain left (or all of them, when no
         # drain ran) end with SERVER_SHUTDOWN and record their rows while the pool,
@@ -133,6 +142,8 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         input_limits = _input_limits(settings)
+        identity = Authenticator(settings)
+        stack.push_async_callback(_bounded_close, "JWKS client", identity.aclose)
         acceptance = ScanAcceptance(
             admission=admission,
             cpu=cpu,
@@ -140,7 +151,9 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             pipeline=pipeline,
             limits=input_limits,
             bodies=_body_reader(settings, input_limits, metrics),
+            identity=identity,
             metrics=metrics,
+            idempotency_ttl_s=settings.idempotency_ttl_s,
         )
         drain = Drain(pipeline, drain_s=settings.shutdown_drain_s)
         metrics.shutting_down.set_function(lambda: float(drain.draining))
@@ -157,6 +170,9 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             store=store,
             pipeline=pipeline,
             drain=drain,
+            identity=identity,
+            access=ScanAccess(pipeline, store, metrics, ping_s=settings.sse_ping_s),
+            collections=Collections(pool, timeout_s=settings.db_timeout_s),
             acceptance=acceptance,
             input_limits=input_limits,
             upstream_base_url=base_url,
@@ -179,6 +195,8 @@ async def _scan_store(
     store = ScanStore(pool, instance_id=instance_id, timeout_s=settings.db_timeout_s)
     stack.push_async_callback(store.close, CLOSE_TIMEOUT_S)
     _background(stack, sweep_lost_scans(store, interval_s=LOST_SCAN_SWEEP_S), "lost-scan-sweep")
+    purge = purge_old_scans(store, retention_days=settings.scan_retention_days, interval_s=PURGE_INTERVAL_S)
+    _background(stack, purge, "scan-purge")
     return store
 
 

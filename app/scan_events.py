@@ -16,6 +16,7 @@ wire format (SSE).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -82,6 +83,21 @@ class ScanErrored(ScanEvent):
 
 
 @dataclass(frozen=True, slots=True)
+class RecordedEvent(ScanEvent):
+    """An event read back from a stored log: its kind and fields as they were sent."""
+
+    kind: str  # type: ignore[misc]  # an instance field here, a class constant elsewhere
+    recorded: dict[str, Any]
+
+    @property
+    def terminal(self) -> bool:  # type: ignore[override]
+        return self.kind in ("done", "error")
+
+    def fields(self) -> dict[str, Any]:
+        return self.recorded
+
+
+@dataclass(frozen=True, slots=True)
 class LogEntry:
     seq: int
     progress: int
@@ -101,21 +117,51 @@ class EventLog:
         return bool(self.entries) and self.entries[-1].event.terminal
 
     def append(self, event: ScanEvent, progress: int | None = None) -> LogEntry:
+        return self.publish(self.next_entry(event, progress))
+
+    def next_entry(self, event: ScanEvent, progress: int | None = None) -> LogEntry:
+        """The entry `event` would become, without publishing it: the terminal event is
+        stored with the scan's row before any reader sees it."""
         if self.closed:
             raise RuntimeError(f"{event.kind} after the terminal event")
-        if progress is not None:
-            self.progress = max(self.progress, min(100, progress))
-        entry = LogEntry(len(self.entries) + 1, self.progress, event)
+        stamped = self.progress if progress is None else max(self.progress, min(100, progress))
+        return LogEntry(len(self.entries) + 1, stamped, event)
+
+    def publish(self, entry: LogEntry) -> LogEntry:
+        if entry.seq != len(self.entries) + 1:
+            raise RuntimeError(f"entry {entry.seq} out of order")
+        self.progress = entry.progress
         self.entries.append(entry)
         # Wake everyone waiting, then start a fresh event for the next append.
         appended, self._appended = self._appended, asyncio.Event()
         appended.set()
         return entry
 
+    def to_json(self, *extra: LogEntry) -> str:
+        """The log (plus `extra` entries not yet published) as stored with the row: each
+        event's kind, step and fields exactly as sent, so a replay is identical."""
+        return json.dumps(
+            [
+                [e.seq, e.progress, e.event.kind, e.event.step, e.event.fields()]
+                for e in (*self.entries, *extra)
+            ],
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> EventLog:
+        log = cls()
+        for seq, progress, kind, step, fields in json.loads(text):
+            log.publish(LogEntry(seq, progress, RecordedEvent(step, kind, fields)))
+        return log
+
     async def follow(self, after_seq: int = 0) -> AsyncIterator[LogEntry]:
         """Entries after `after_seq`, waiting for new ones, until the terminal one."""
         position = after_seq
         while True:
+            if self.closed and position >= len(self.entries):
+                return  # nothing after the terminal event, ever
             while position < len(self.entries):
                 entry = self.entries[position]
                 position += 1

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -30,14 +31,33 @@ from app.errors import DatabaseError, ProcessLost
 log = logging.getLogger(__name__)
 
 _INSERT = """
-    INSERT INTO scans (id, user_id, status, image_source, image_sha256, user_input, instance_id)
-    VALUES ($1, $2, 'running', $3, $4, $5, $6)"""
+    INSERT INTO scans (id, user_id, status, image_source, image_sha256, user_input, instance_id,
+                       idempotency_scope, idempotency_key, request_sha256, token_sha256)
+    VALUES ($1, $2, 'running', $3, $4, $5, $6, $7, $8, $9, $10)"""
+
+_LOAD = """
+    SELECT id, user_id, status, created_at, finished_at, event_log, token_sha256
+    FROM scans WHERE id = $1"""
+
+# A key is reusable once its scan is older than the TTL: the old row lets go of it.
+_EXPIRE_KEY = """
+    UPDATE scans SET idempotency_key = NULL
+    WHERE idempotency_scope = $1 AND idempotency_key = $2
+      AND created_at < now() - make_interval(secs => $3)"""
+
+_FIND_KEY = """
+    SELECT id, request_sha256 FROM scans WHERE idempotency_scope = $1 AND idempotency_key = $2"""
+
+_PURGE = """
+    DELETE FROM scans WHERE id IN (
+        SELECT id FROM scans WHERE created_at < now() - make_interval(secs => $1 * 86400)
+        AND status <> 'running' LIMIT $2)"""
 
 _FINISH = """
     UPDATE scans SET
         status = $2, classification = $3, situation_tags = $4, disposal_rules = $5,
         answer = $6, reward = $7, timings = $8, error_step = $9, error_code = $10,
-        error_message = $11, finished_at = now()
+        error_message = $11, event_log = $12, finished_at = now()
     WHERE id = $1"""
 
 # A row is lost when its instance holds no connection, and that instance must have had
@@ -74,6 +94,7 @@ class TerminalRow:
     result: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] | None = None
     error: tuple[str, str, str] | None = None  # (step, code, message)
+    events: str | None = None  # the event log as sent, terminal event included (EventLog.to_json)
 
     def args(self) -> tuple[Any, ...]:
         r = self.result
@@ -89,7 +110,37 @@ class TerminalRow:
             step,
             code,
             message,
+            self.events,
         )
+
+
+@dataclass(frozen=True)
+class StoredScan:
+    id: uuid.UUID
+    user_id: str | None
+    status: str
+    created_at: datetime
+    finished_at: datetime | None
+    event_log: str | None
+    token_sha256: str | None
+
+
+@dataclass(frozen=True)
+class IdempotencyClaim:
+    """A POST's `Idempotency-Key`, scoped to its caller, and what its request hashed to."""
+
+    scope: str
+    key: str
+    request_sha256: str
+
+
+class KeyTaken(Exception):
+    """The idempotency key already names a scan (`scan_id`)."""
+
+    def __init__(self, scan_id: uuid.UUID, request_sha256: str | None) -> None:
+        super().__init__(str(scan_id))
+        self.scan_id = scan_id
+        self.request_sha256 = request_sha256
 
 
 class ScanStore:
@@ -115,9 +166,47 @@ class ScanStore:
         image_source: str,
         image_sha256: str | None,
         user_input: str | None,
+        claim: IdempotencyClaim | None = None,
+        token_sha256: str | None = None,
     ) -> None:
-        args = (scan_id, user_id, image_source, image_sha256, user_input, self.instance_id)
-        await self._execute(_INSERT, *args)
+        """Insert the `running` row; `KeyTaken` if `claim`'s key names another scan
+        (the unique index decides, so concurrent duplicates cannot both insert)."""
+        key = (claim.scope, claim.key, claim.request_sha256) if claim else (None, None, None)
+        args = (
+            scan_id,
+            user_id,
+            image_source,
+            image_sha256,
+            user_input,
+            self.instance_id,
+            *key,
+            token_sha256,
+        )
+        try:
+            await self._execute(_INSERT, *args)
+        except DatabaseError as exc:
+            if claim is None or not isinstance(exc.__cause__, asyncpg.UniqueViolationError):
+                raise
+            taken = await self.find_key(claim)
+            if taken is None:  # its scan was purged in between: a rare retry
+                raise
+            raise taken from None
+
+    async def find_key(self, claim: IdempotencyClaim, ttl_s: float | None = None) -> KeyTaken | None:
+        """The scan `claim`'s key already names, if any (expiring it first if `ttl_s`)."""
+        if ttl_s is not None:
+            await self._execute(_EXPIRE_KEY, claim.scope, claim.key, ttl_s)
+        rows = await self._fetch(_FIND_KEY, claim.scope, claim.key)
+        return KeyTaken(rows[0]["id"], rows[0]["request_sha256"]) if rows else None
+
+    async def load(self, scan_id: uuid.UUID) -> StoredScan | None:
+        rows = await self._fetch(_LOAD, scan_id)
+        return StoredScan(**dict(rows[0])) if rows else None
+
+    async def purge(self, *, older_than_days: float, batch: int) -> int:
+        """Delete up to `batch` finished scans older than the retention; how many."""
+        status = await self._execute(_PURGE, older_than_days, batch)
+        return int(status.split()[-1])
 
     async def finish(self, scan_id: uuid.UUID, row: TerminalRow) -> None:
         """Write the terminal row once; `DatabaseError` if the database did not take it."""

@@ -82,7 +82,23 @@ class Settings:
     sse_ping_s: float = 15.0
     delta_flush_ms: float = 100.0
     rules_cache_ttl_s: float = 300.0
+    disconnect_grace_s: float = 15.0
+    idempotency_ttl_s: float = 24 * 3600.0
+    scan_retention_days: float = 30.0
     log_level: str = "INFO"
+
+    # --- identity ---
+    # Who the caller is (app/identity.py): a gateway's X-User-ID, or a verified bearer JWT.
+    auth_mode: str = "gateway"
+    auth_allow_anonymous: bool | None = None  # None: the mode's default (gateway yes, jwt no)
+    auth_jwt_secret: str | None = field(default=None, repr=False)
+    auth_jwks_file: str | None = None
+    auth_jwks_url: str | None = None
+    auth_jwt_issuer: str | None = None
+    auth_jwt_audience: str | None = None
+    auth_jwks_ttl_s: float = 300.0
+    auth_jwks_refetch_s: float = 30.0
+    auth_jwks_timeout_s: float = 5.0
 
     # --- the built-in simulator (used when OPENAI_API_KEY is unset) ------------------
     # Read from the SIM_* variables, one per SimConfig field (see app/sim/config.py).
@@ -112,6 +128,9 @@ class Settings:
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
         self._check_models()
+        from app.identity import check_settings as check_identity  # not at the top: it imports us
+
+        check_identity(self)
         if self.openai_api_key is None and self.openai_base_url is not None:
             # A base URL without a key would silently fall back to the simulator.
             raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
@@ -180,6 +199,7 @@ _MAY_BE_ZERO = {
     "retry_max_delay_s",
     "delta_flush_ms",
     "rules_cache_ttl_s",
+    "disconnect_grace_s",
 }
 
 

@@ -3,13 +3,15 @@ ping and its client-disconnect listener. The only module that knows the wire for
 each domain event becomes one SSE event whose `data` is JSON with `job_id`, `step`,
 `seq` (also the SSE `id:`), `progress` and the event's own fields.
 
-The response only *reads* the scan's event log, until its terminal event. A
-shutdown does not cut it: the drain ends every scan with a terminal event first (see
-`take_over_shutdown`). When the client goes away, sse-starlette cancels this
-generator; its `finally` cancels the pipeline task, which then cleans up on its own
-(closes the upstream stream, writes the `cancelled` row, releases its admission
-ticket). The generator never awaits that cleanup: it runs inside sse-starlette's
-cancel scope, where every await would be cancelled again.
+The response only *reads* the scan's event log, from any position (`Last-Event-ID`),
+until its terminal event. A shutdown does not cut it: the drain ends every scan with a
+terminal event first (see `take_over_shutdown`). When the client goes away,
+sse-starlette cancels this generator; its `finally` detaches from the run, and the
+last follower leaving starts the scan's disconnect grace, after which the pipeline
+task is cancelled and cleans up on its own (closes the upstream stream, writes the
+`cancelled` row, releases its admission ticket). The generator never awaits that
+cleanup: it runs inside sse-starlette's cancel scope, where every await would be
+cancelled again.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from sse_starlette.sse import AppStatus, SendTimeoutError
 from starlette.types import Receive, Scope, Send
 
 from app.metrics import Metrics
-from app.pipeline import ScanRun
-from app.scan_events import LogEntry
+from app.scan_events import EventLog, LogEntry
+from app.scan_run import ScanRun
 
 log = logging.getLogger(__name__)
 
@@ -57,32 +59,65 @@ def take_over_shutdown() -> None:
     AppStatus.disable_automatic_graceful_drain()  # type: ignore[no-untyped-call]
 
 
-def scan_response(run: ScanRun, metrics: Metrics, *, ping_s: float) -> EventSourceResponse:
+def scan_response(
+    run: ScanRun, metrics: Metrics, *, ping_s: float, headers: dict[str, str] | None = None
+) -> EventSourceResponse:
+    """The stream of a scan just accepted: every event, live."""
+    return _response(str(run.scan.id), _live(run, metrics, 0, first_event=True), ping_s, headers)
+
+
+def resumed_response(
+    run: ScanRun, metrics: Metrics, *, after: int, ping_s: float, headers: dict[str, str] | None = None
+) -> EventSourceResponse:
+    """A scan this process runs (or just ran), from `after` on, live to its end."""
+    return _response(str(run.scan.id), _live(run, metrics, after, first_event=False), ping_s, headers)
+
+
+def replayed_response(
+    job_id: str, log: EventLog, *, after: int, ping_s: float, headers: dict[str, str] | None = None
+) -> EventSourceResponse:
+    """A finished scan's stored log from `after` on: the same bytes the original sent."""
+    return _response(job_id, _stored(job_id, log, after), ping_s, headers)
+
+
+def _response(
+    job_id: str, events: AsyncIterator[ServerSentEvent], ping_s: float, headers: dict[str, str] | None
+) -> EventSourceResponse:
     return _ScanStream(
-        _events(run, metrics),
+        events,
         ping=ping_s,
         send_timeout=SEND_TIMEOUT_S,
         headers={
             "Cache-Control": "no-store",
             "X-Accel-Buffering": "no",
-            "X-Scan-Id": str(run.scan.id),
+            "X-Scan-Id": job_id,
+            **(headers or {}),
         },
     )
 
 
-async def _events(run: ScanRun, metrics: Metrics) -> AsyncIterator[ServerSentEvent]:
+async def _live(
+    run: ScanRun, metrics: Metrics, after: int, *, first_event: bool
+) -> AsyncIterator[ServerSentEvent]:
+    """Follows the run; leaving (the client gone) detaches, which may start the
+    scan's disconnect grace (see app/scan_run.py)."""
     metrics.streams_open.inc()
+    run.attach()
     job_id = str(run.scan.id)
-    first = True
     try:
-        async for entry in run.log.follow():
-            if first:
+        async for entry in run.log.follow(after):
+            if first_event:
                 metrics.first_event.observe(time.perf_counter() - run.scan.received_at)
-                first = False
+                first_event = False
             yield to_sse(job_id, entry)
     finally:
         metrics.streams_open.dec()
-        run.cancel()
+        run.detach()
+
+
+async def _stored(job_id: str, log: EventLog, after: int) -> AsyncIterator[ServerSentEvent]:
+    async for entry in log.follow(after):
+        yield to_sse(job_id, entry)
 
 
 def to_sse(job_id: str, entry: LogEntry) -> ServerSentEvent:

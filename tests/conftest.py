@@ -142,6 +142,8 @@ def settings_for(database_url: str, sim: RunningSimulator, **overrides: Any) -> 
         "delta_flush_ms": 0.0,
         "sse_ping_s": 5.0,
         "log_level": "WARNING",
+        # A disconnect cancels at once (the grace has tests of its own, in test_resources.py).
+        "disconnect_grace_s": 0.0,
     }
     values.update(overrides)
     return Settings(**values)

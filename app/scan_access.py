@@ -1,0 +1,157 @@
+"""Scans as resources: a scan's status, its events (resumable), and cancelling it —
+each only for its owner.
+
+Who owns a scan: the user who created it, or, for an anonymous scan, whoever holds the
+capability token returned once in `X-Scan-Token` when it was created. Anyone else gets
+404 `SCAN_NOT_FOUND`, exactly as for a scan that does not exist.
+
+Where a scan is read from: this process's memory while it runs here (and a minute
+after), else the database, whose row holds the event log as it was sent. A scan
+running on another replica can be read once it has finished (following it live there
+comes with the shared-Redis issue).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from starlette.responses import Response
+
+from app.errors import (
+    DatabaseError,
+    DatabaseUnavailable,
+    ScanAlreadyFinished,
+    ScanCancelled,
+    ScanEventsGone,
+    ScanNotFound,
+    ScanRunningElsewhere,
+)
+from app.metrics import Metrics
+from app.pipeline import ScanPipeline
+from app.scan_events import EventLog
+from app.scan_run import ScanRun
+from app.scan_store import ScanStore, StoredScan
+from app.streaming import replayed_response, resumed_response, to_sse
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Reader:
+    """Who asks: an authenticated user id, and the scan token they presented, if any."""
+
+    user_id: str | None
+    token: str | None = None
+
+
+class ScanAccess:
+    def __init__(self, pipeline: ScanPipeline, store: ScanStore, metrics: Metrics, *, ping_s: float) -> None:
+        self._pipeline = pipeline
+        self._store = store
+        self._metrics = metrics
+        self._ping_s = ping_s
+
+    async def status(self, scan_id: uuid.UUID, reader: Reader) -> dict[str, Any]:
+        """`{job_id, status, created_at, finished_at, result | error}`; `result` is the
+        `done` event's data and `error` the `error` event's, exactly as streamed."""
+        run, stored = await self._find(scan_id, reader)
+        if run is not None:
+            return _status(scan_id, run.status, run.created_at, run.finished_at, run.log)
+        assert stored is not None
+        log = EventLog.from_json(stored.event_log) if stored.event_log else None
+        return _status(scan_id, stored.status, stored.created_at, stored.finished_at, log)
+
+    async def events(
+        self, scan_id: uuid.UUID, reader: Reader | None, *, after: int, headers: dict[str, str] | None = None
+    ) -> Response:
+        """The scan's events with `seq > after`, identical to what was first sent, then
+        live until the terminal one."""
+        run, stored = await self._find(scan_id, reader)
+        if run is not None:
+            if _past_the_end(run.log, after):
+                return Response(status_code=204, headers=headers)
+            return resumed_response(run, self._metrics, after=after, ping_s=self._ping_s, headers=headers)
+        assert stored is not None
+        if stored.event_log is None:
+            raise ScanRunningElsewhere() if stored.status == "running" else ScanEventsGone()
+        log = EventLog.from_json(stored.event_log)
+        if _past_the_end(log, after):
+            return Response(status_code=204, headers=headers)
+        return replayed_response(str(scan_id), log, after=after, ping_s=self._ping_s, headers=headers)
+
+    def replay(self, scan_id: uuid.UUID, *, headers: dict[str, str] | None = None) -> Awaitable[Response]:
+        """A repeated POST's answer: the scan its idempotency key names, from the start.
+        The key (same caller, same request) is the proof of ownership here."""
+        return self.events(scan_id, None, after=0, headers=headers)
+
+    async def cancel(self, scan_id: uuid.UUID, reader: Reader) -> dict[str, Any]:
+        run, stored = await self._find(scan_id, reader)
+        if run is None:
+            assert stored is not None
+            if stored.status == "running":
+                raise ScanRunningElsewhere("The scan runs on another replica; cancel it there.")
+            raise ScanAlreadyFinished()
+        if run.log.closed:
+            raise ScanAlreadyFinished()
+        run.cancel(ScanCancelled())
+        return {"job_id": str(scan_id), "status": "cancelling"}
+
+    async def _find(
+        self, scan_id: uuid.UUID, reader: Reader | None
+    ) -> tuple[ScanRun | None, StoredScan | None]:
+        run = self._pipeline.runs.get(scan_id)
+        if run is not None:
+            _check_owner(run.scan.user_id, run.token_sha256, reader)
+            return run, None
+        try:
+            stored = await self._store.load(scan_id)
+        except DatabaseError:
+            raise DatabaseUnavailable() from None
+        if stored is None:
+            raise ScanNotFound()
+        _check_owner(stored.user_id, stored.token_sha256, reader)
+        return None, stored
+
+
+def _past_the_end(log: EventLog, after: int) -> bool:
+    """A finished scan asked for what follows its last event: 204, nothing to send (an
+    EventSource that reconnects after `done` with its id stops on a 204)."""
+    return log.closed and after >= len(log.entries)
+
+
+def _check_owner(owner: str | None, token_sha256: str | None, reader: Reader | None) -> None:
+    if reader is None:  # vouched for by the caller (a repeated POST)
+        return
+    if owner is not None:
+        if reader.user_id != owner:
+            raise ScanNotFound()
+        return
+    if token_sha256 is None or reader.token is None:
+        raise ScanNotFound()
+    if not hmac.compare_digest(token_hash(reader.token), token_sha256):
+        raise ScanNotFound()
+
+
+def _status(
+    scan_id: uuid.UUID, status: str, created: datetime, finished: datetime | None, log: EventLog | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "job_id": str(scan_id),
+        "status": status,
+        "created_at": created.isoformat(),
+        "finished_at": finished.isoformat() if finished else None,
+    }
+    if log is not None and log.closed:
+        terminal = log.entries[-1]
+        payload = json.loads(to_sse(str(scan_id), terminal).data or "{}")
+        body["result" if terminal.event.kind == "done" else "error"] = payload
+    return body

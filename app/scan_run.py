@@ -1,0 +1,78 @@
+"""One running scan as the rest of the service sees it: its task, its event log, who is
+following it, and how it ends when nobody is.
+
+A dropped connection does not end a scan at once: when its last follower leaves, the
+scan keeps running for `grace_s` (`DISCONNECT_GRACE_S`), so a phone that reconnects
+(`GET /api/v1/scan/{id}/events` with `Last-Event-ID`) finds it still going and pays for
+no second scan. If nobody comes back in time, it is cancelled as a disconnect: the
+upstream call is closed and the row says `cancelled / CLIENT_DISCONNECTED`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+from app.errors import EcoscanError
+from app.scan_context import AcceptedScan
+from app.scan_events import EventLog
+
+
+class ScanRun:
+    def __init__(self, scan: AcceptedScan, *, grace_s: float = 0.0, token_sha256: str | None = None) -> None:
+        self.scan = scan
+        self.token_sha256 = token_sha256  # an anonymous scan's capability token, hashed
+        self.created_at = datetime.now(UTC)
+        self.finished_at: datetime | None = None
+        self.status = "running"  # then the row's terminal status
+        self.log = EventLog()
+        self.task: asyncio.Task[None] | None = None
+        self.started = False
+        self.cancel_requested = False
+        self.cancel_reason: EcoscanError | None = None  # None: the client went away
+        self.followers = 0
+        self._grace_s = grace_s
+        self._abandon: asyncio.TimerHandle | None = None
+
+    def ended(self, status: str) -> None:
+        self.status = status
+        self.finished_at = datetime.now(UTC)
+
+    @property
+    def done(self) -> bool:
+        return self.task is not None and self.task.done()
+
+    def attach(self) -> None:
+        """A client follows the scan (again): a pending abandonment is called off."""
+        self.followers += 1
+        if self._abandon is not None:
+            self._abandon.cancel()
+            self._abandon = None
+
+    def detach(self) -> None:
+        """A client stopped following; the last one leaving starts the grace period."""
+        self.followers -= 1
+        if self.followers > 0 or self.done or self.log.closed:
+            return
+        if self._grace_s <= 0:
+            self.cancel()
+        else:
+            self._abandon = asyncio.get_running_loop().call_later(self._grace_s, self._abandoned)
+
+    def _abandoned(self) -> None:
+        self._abandon = None
+        if self.followers == 0:
+            self.cancel()
+
+    def cancel(self, reason: EcoscanError | None = None) -> None:
+        """Cancel the scan. A task cancelled before its first step would never run its
+        cleanup (no terminal row or event, the admission slot kept), so until it has
+        started the request is only noted, and the scan cancels itself at its start."""
+        if self.task is None or self.task.done():
+            return
+        if reason is not None and self.cancel_reason is None:
+            self.cancel_reason = reason
+        if self.started:
+            self.task.cancel()
+        else:
+            self.cancel_requested = True
