@@ -10,6 +10,7 @@ from typing import Any
 
 from app.sim.filler import korean_text
 from app.sim.request import ChatRequest
+from app.sim.waste import answer_document, vision_document
 
 # Past this nesting depth recursive schemas take their smallest valid shape.
 MAX_DEPTH = 12
@@ -34,7 +35,12 @@ def generate_content(request: ChatRequest, text_tokens: int, seed: int) -> str:
     """The assistant message for ``request``; identical requests give identical content."""
     rng = content_rng(request.digest, seed)
     if request.format_type == "json_schema" and request.schema:
-        document = generate_document(request.schema, rng, text_tokens)
+        # ecoscan's own calls get replies that make sense; any other schema a valid value.
+        document = vision_document(request.schema, request.schema_key, request.text, rng)
+        if document is None:
+            document = answer_document(request.schema, request.text, text_tokens)
+        if document is None:
+            document = generate_document(request.schema, rng, text_tokens)
         return json.dumps(document, ensure_ascii=False, separators=(",", ":"))
     if request.format_type in ("json_object", "json_schema"):
         answer = {"answer": korean_text(rng, text_tokens)}

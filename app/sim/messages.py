@@ -25,6 +25,10 @@ class Prompt:
     format_type: str
     schema: dict[str, Any] | None
     digest: bytes
+    # The last user message's text (what the simulator reads to answer in context) and
+    # a digest of the schema alone (what it derives from a schema is cached by it).
+    text: str = ""
+    schema_key: bytes = b""
 
 
 def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
@@ -39,8 +43,10 @@ def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
     hasher = hashlib.sha256()
     tokens = REPLY_PRIMING
     has_image = mentions_json = False
+    user_text = ""
     for i, message in enumerate(messages):
         role = _role(message, f"messages[{i}]")
+        texts: list[str] = []
         hasher.update(b"\x00role\x00" + role.encode())
         tokens += MESSAGE_OVERHEAD
         for j, (text, detail) in enumerate(_content_parts(message.get("content"), f"messages[{i}].content")):
@@ -48,6 +54,7 @@ def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
                 hasher.update(b"\x00text\x00" + text.encode())
                 tokens += prompt_text_tokens(text)
                 mentions_json = mentions_json or "json" in text.lower()
+                texts.append(text)
                 continue
             if family.images is None:
                 raise InvalidRequest(
@@ -57,13 +64,17 @@ def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
             has_image = True
             hasher.update(b"\x00image\x00" + text.encode())
             tokens += image_tokens(text, detail, family.images)
+        if role == "user":
+            user_text = "\n".join(texts)
     format_type, schema = _response_format(body.get("response_format"), mentions_json)
+    schema_key = b""
     if schema is not None:
         schema_text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
-        hasher.update(b"\x00schema\x00" + schema_text.encode())
+        schema_key = hashlib.sha256(schema_text.encode()).digest()
+        hasher.update(b"\x00schema\x00" + schema_key)
         # OpenAI injects the schema into the prompt, so it is billed.
         tokens += prompt_text_tokens(schema_text)
-    return Prompt(tokens, has_image, format_type, schema, hasher.digest())
+    return Prompt(tokens, has_image, format_type, schema, hasher.digest(), user_text, schema_key)
 
 
 def _role(message: Any, where: str) -> str:

@@ -49,6 +49,8 @@ class ChatRequest:
     schema: dict[str, Any] | None
     prompt_tokens: int
     digest: bytes
+    text: str = ""  # the last user message's text
+    schema_key: bytes = b""  # digest of the schema alone
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -90,4 +92,6 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
         schema=prompt.schema,
         prompt_tokens=prompt.tokens,
         digest=prompt.digest,
+        text=prompt.text,
+        schema_key=prompt.schema_key,
     )
