@@ -20,6 +20,7 @@ from app.drain import SignalRouter
 from app.errors import ClientDisconnected, EcoscanError, Overloaded
 from app.metrics import Metrics
 from app.openapi import install_openapi
+from app.page import router as page_router
 from app.resources import lifespan_resources
 from app.routes import router
 from app.settings import Settings
@@ -47,6 +48,7 @@ def create_app(settings: Settings | None = None, *, metrics: Metrics | None = No
 
     app = FastAPI(title="ecoscan", version="0.1.0", lifespan=lifespan)
     app.include_router(router)
+    app.include_router(page_router)
     install_openapi(app, settings)
     _install_error_handlers(app)
     return app

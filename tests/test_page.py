@@ -1,0 +1,134 @@
+"""The "try it" page (`/`, app/page.py + app/static/): its HTTP caching, and a real
+browser — Debian's chromium driven by Playwright — taking a photo through a whole scan
+at 360 px wide, against the simulator slowed down enough to watch the answer stream."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from playwright.async_api import Page, async_playwright
+
+from app.page import package_version
+from app.sim.server import RunningSimulator
+from tests.conftest import Service, make_jpeg, sim_configure
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS_SCREENSHOT = ROOT / "docs" / "page.png"
+STEPS = ("vision", "rule", "answer", "reward")
+
+
+async def test_index_is_html_with_an_etag_and_revalidates(service: Service) -> None:
+    response = await service.client.get("/")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    assert response.headers["cache-control"] == "no-cache"
+    assert "default-src 'self'" in response.headers["content-security-policy"]
+    etag = response.headers["etag"]
+    assert etag.startswith(f'"{package_version()}-')
+    assert 'lang="ko"' in response.text
+    assert "__VERSION__" not in response.text
+    assert f"/static/app.js?v={package_version()}" in response.text
+
+    again = await service.client.get("/", headers={"If-None-Match": etag})
+    assert again.status_code == 304
+    assert again.content == b""
+    assert again.headers["etag"] == etag
+    assert (await service.client.get("/", headers={"If-None-Match": '"other"'})).status_code == 200
+    assert (await service.client.get("/", headers={"If-None-Match": f'"x", W/{etag}'})).status_code == 304
+
+
+async def test_static_assets_are_cached_by_version(service: Service) -> None:
+    versioned = await service.client.get(f"/static/app.js?v={package_version()}")
+    assert versioned.status_code == 200
+    assert versioned.headers["content-type"].startswith("text/javascript")
+    assert versioned.headers["cache-control"] == "public, max-age=86400"
+    assert "X-Scan-Token" in versioned.text
+    stale = await service.client.get("/static/style.css?v=0.0.0-old")
+    assert stale.headers["cache-control"] == "no-cache"
+    assert stale.headers["content-type"].startswith("text/css")
+    etag = stale.headers["etag"]
+    assert (await service.client.get("/static/style.css", headers={"If-None-Match": etag})).status_code == 304
+    for missing in ("/static/nope.js", "/static/..%2Fpage.py", "/static/%2e%2e%2fmain.py"):
+        assert (await service.client.get(missing)).status_code == 404, missing
+    paths = (await service.client.get("/openapi.json")).json()["paths"]
+    assert "/" not in paths
+    assert not any(p.startswith("/static") for p in paths)
+
+
+def chromium_path() -> str:
+    found = shutil.which("chromium") or ("/usr/bin/chromium" if os.path.exists("/usr/bin/chromium") else None)
+    if found is None:
+        pytest.fail("Debian's chromium is needed for the page test: apt-get install -y chromium")
+    return found
+
+
+async def _state(page: Page) -> str:
+    value = await page.get_attribute("#result", "data-state")
+    return value or ""
+
+
+async def test_a_scan_in_the_browser_at_360px(
+    service: Service, sim: RunningSimulator, tmp_path: Path
+) -> None:
+    # Slow enough to watch: vision ~1.4 s, the answer streams its tokens over ~1.4 s.
+    await sim_configure(sim, time_scale=0.3, text_tokens=60)
+    photo = tmp_path / "bottle.jpg"
+    photo.write_bytes(make_jpeg(7, (1600, 1200)))
+
+    problems: list[str] = []
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium_path(), headless=True)
+        try:
+            page = await browser.new_page(viewport={"width": 360, "height": 740})
+            page.on("console", lambda m: problems.append(f"console: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
+            await page.goto(service.url + "/")
+            assert await page.locator("#send").is_disabled()
+            await page.set_input_files("#photo-camera", str(photo))
+            await page.fill("#question", "라벨은 떼야 하나요?")
+            await page.click("#send")
+
+            # Sample the live answer while the scan streams, until `done` arrives.
+            lengths_before_done: list[int] = []
+            async with asyncio.timeout(60):
+                while (state := await _state(page)) != "done":
+                    assert state != "error", await page.inner_text("#error")
+                    text = await page.text_content("#answer-text") or ""
+                    if await _state(page) != "done":
+                        lengths_before_done.append(len(text))
+                    await asyncio.sleep(0.02)
+
+            growing = sorted({n for n in lengths_before_done if n > 0})
+            assert len(growing) >= 2, f"the answer did not grow while streaming: {lengths_before_done}"
+            for step in STEPS:
+                item = page.locator(f'#stages [data-step="{step}"]')
+                assert await item.get_attribute("data-status") == "completed", step
+                assert "완료" in await item.inner_text()
+            assert await page.is_visible("#classification")
+            assert (await page.inner_text("#item-name")).strip()
+            assert await page.is_visible("#rule-card")
+            assert (await page.inner_text("#rule-body")).strip()
+            assert await page.is_visible("#answer-card")
+            assert await page.is_visible("#reward-card")
+            assert (await page.inner_text("#reward-body")).strip()
+            assert await page.get_attribute("#answer-text", "aria-live") == "polite"
+            assert "안내를 다 받았어요" in await page.inner_text("#form-status")
+            # Nothing wider than the phone.
+            assert await page.evaluate("document.documentElement.scrollWidth") <= 360
+
+            artifact = tmp_path / "page-360.png"
+            await page.screenshot(path=str(artifact), full_page=True)
+            print(f"screenshot: {artifact}")
+            # docs/page.png (README) is committed: written when missing, or on request.
+            if not DOCS_SCREENSHOT.exists() or os.environ.get("UPDATE_PAGE_SCREENSHOT") == "1":
+                # A 64-colour palette keeps it small (flat UI colours survive it).
+                with Image.open(artifact) as shot:
+                    shot.convert("RGB").quantize(64).save(DOCS_SCREENSHOT, optimize=True)
+        finally:
+            await browser.close()
+    assert not problems, problems
