@@ -318,3 +318,22 @@ async def test_positions_at_or_past_the_end_and_odd_positions(
     gone = await service.client.get(scan_url(str(lost), "/events"), headers=user)
     assert (gone.status_code, gone.json()["code"]) == (410, "SCAN_EVENTS_UNAVAILABLE")
     assert (await service.client.get(scan_url(str(lost)), headers=user)).json()["status"] == "failed"
+
+
+async def test_a_scan_running_on_another_replica_is_409_until_it_ends(
+    service: Service, db: asyncpg.Connection
+) -> None:
+    """A `running` row this process has no run for (another replica's scan)."""
+    elsewhere = uuid.uuid4()
+    await db.execute(
+        "INSERT INTO scans (id, user_id, status, image_source, instance_id)"
+        " VALUES ($1, 'replica-user', 'running', 'upload', $2)",
+        elsewhere,
+        uuid.uuid4(),
+    )
+    user = {"X-User-ID": "replica-user"}
+    assert (await service.client.get(scan_url(str(elsewhere)), headers=user)).json()["status"] == "running"
+    for method, url in (("GET", scan_url(str(elsewhere), "/events")), ("DELETE", scan_url(str(elsewhere)))):
+        response = await service.client.request(method, url, headers=user)
+        assert (response.status_code, response.json()["code"]) == (409, "SCAN_RUNNING_ELSEWHERE"), method
+    await db.execute("DELETE FROM scans WHERE id = $1", elsewhere)  # not left for the lost-scan sweep
