@@ -142,8 +142,7 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         input_limits = _input_limits(settings)
-        identity = Authenticator(settings)
-        stack.push_async_callback(_bounded_close, "JWKS client", identity.aclose)
+        identity = await _identity(settings, stack)
         acceptance = ScanAcceptance(
             admission=admission,
             cpu=cpu,
@@ -276,6 +275,13 @@ def _upstream(settings: Settings, client: openai.AsyncOpenAI, metrics: Metrics, 
         max_delay_s=settings.retry_max_delay_s,
     )
     return Upstream(client, budgets=budgets, gates=gates, retry=retry, metrics=metrics, clock=clock)
+
+
+async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:
+    identity = Authenticator(settings)
+    stack.push_async_callback(_bounded_close, "JWKS client", identity.aclose)
+    await identity.prefetch()  # AUTH_JWKS_URL's keys before the first token (bounded; failures logged)
+    return identity
 
 
 def _admission(
