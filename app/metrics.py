@@ -61,6 +61,7 @@ class Metrics:
         self._declare_budget_and_gate_metrics()
         self._declare_cpu_lane_and_loop_metrics()
         self._declare_admission_and_lifecycle_metrics()
+        self._declare_cache_metrics()
 
     def _declare_process_collectors(self) -> None:
         """The library's process, platform and GC collectors."""
@@ -251,6 +252,25 @@ class Metrics:
         self.rules_listener_up = Gauge(
             "ecoscan_rules_listener_up",
             "1 while the rule cache's LISTEN connection is up; 0 while it reconnects (short cache TTL).",
+            registry=r,
+        )
+
+    def _declare_cache_metrics(self) -> None:
+        """The vision and answer reply caches (app/reply_cache.py): lookups, size."""
+        r = self.registry
+        self.cache_requests = Counter(
+            "ecoscan_cache_requests_total",
+            "Reply-cache lookups by cache (vision, answer) and outcome (hit, miss, coalesced).",
+            ["cache", "outcome"],
+            registry=r,
+        )
+        self.cache_entries = Gauge(
+            "ecoscan_cache_entries", "Replies held by the cache.", ["cache"], registry=r
+        )
+        self.cache_bytes = Gauge(
+            "ecoscan_cache_bytes",
+            "Bytes of keys and replies held by the cache (UTF-8).",
+            ["cache"],
             registry=r,
         )
 

@@ -38,6 +38,7 @@ from app.loop_lag import probe_loop_lag
 from app.lost_scans import purge_old_scans, sweep_lost_scans
 from app.metrics import Metrics
 from app.pipeline import ScanPipeline
+from app.reply_cache import CacheLimits, ReplyCache
 from app.scan_access import ScanAccess
 from app.scan_input import InputLimits
 from app.scan_store import ScanStore
@@ -111,12 +112,14 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             shape=settings.call_shape("vision"),
             detail=settings.vision_detail,
             timeout_s=settings.vision_timeout_s,
+            cache=_reply_cache(settings, "vision", metrics, clock),
         )
         answer = AnswerStage(
             upstream,
             shape=settings.call_shape("answer"),
             delta_flush_s=settings.delta_flush_ms / 1000,
             timeout_s=settings.answer_timeout_s,
+            cache=_reply_cache(settings, "answer", metrics, clock),
         )
         reward = RewardStage(pool, characters, taxonomy.recyclable, timeout_s=settings.db_timeout_s)
         # The scan's stages, in order: adding one is adding it here (see ARCHITECTURE.md).
@@ -275,6 +278,15 @@ def _upstream(settings: Settings, client: openai.AsyncOpenAI, metrics: Metrics, 
         max_delay_s=settings.retry_max_delay_s,
     )
     return Upstream(client, budgets=budgets, gates=gates, retry=retry, metrics=metrics, clock=clock)
+
+
+def _reply_cache(settings: Settings, stage: str, metrics: Metrics, clock: Clock) -> ReplyCache:
+    """The stage's reply cache (app/reply_cache.py), bounded by its VISION_/ANSWER_CACHE_* settings."""
+    if stage == "vision":
+        bounds = (settings.vision_cache_entries, settings.vision_cache_bytes, settings.vision_cache_ttl_s)
+    else:
+        bounds = (settings.answer_cache_entries, settings.answer_cache_bytes, settings.answer_cache_ttl_s)
+    return ReplyCache(stage, CacheLimits(*bounds), clock=clock, metrics=metrics)
 
 
 async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:

@@ -82,6 +82,13 @@ class Settings:
     sse_ping_s: float = 15.0
     delta_flush_ms: float = 100.0
     rules_cache_ttl_s: float = 300.0
+    # Reply caches (app/reply_cache.py): a 0 in any of a cache's three bounds turns it off.
+    vision_cache_entries: int = 10_000
+    vision_cache_bytes: int = 8 * 1024 * 1024
+    vision_cache_ttl_s: float = 6 * 3600.0
+    answer_cache_entries: int = 10_000
+    answer_cache_bytes: int = 32 * 1024 * 1024
+    answer_cache_ttl_s: float = 3600.0
     disconnect_grace_s: float = 15.0
     idempotency_ttl_s: float = 24 * 3600.0
     scan_retention_days: float = 30.0
@@ -199,6 +206,12 @@ _MAY_BE_ZERO = {
     "retry_max_delay_s",
     "delta_flush_ms",
     "rules_cache_ttl_s",
+    "vision_cache_entries",
+    "vision_cache_bytes",
+    "vision_cache_ttl_s",
+    "answer_cache_entries",
+    "answer_cache_bytes",
+    "answer_cache_ttl_s",
     "disconnect_grace_s",
 }
 

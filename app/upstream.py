@@ -76,6 +76,7 @@ class ChatResult:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None  # reasoning included
     reasoning_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, served from OpenAI's prompt cache
     finish_reason: str | None = None
     refusal: str = ""
     attempts: int = 0
@@ -234,12 +235,14 @@ class Upstream:
         _check_finish(call, result)
 
     def _settle(self, call: ChatCall, reservation: Reservation, usage: _Usage, result: ChatResult) -> None:
-        result.prompt_tokens, result.completion_tokens, result.reasoning_tokens = usage
+        result.prompt_tokens, result.completion_tokens, result.reasoning_tokens, result.cached_tokens = usage
+        # Cached prompt tokens are cheaper, but count against TPM like any other.
         reservation.settle(usage[0] + usage[1])
         tokens = self._metrics.upstream_tokens
         tokens.labels(call.model, "prompt").inc(usage[0])
         tokens.labels(call.model, "completion").inc(usage[1])
         tokens.labels(call.model, "reasoning").inc(usage[2])
+        tokens.labels(call.model, "cached").inc(usage[3])
 
     def _transport_failure(
         self, call: ChatCall, reservation: Reservation, exc: Exception, result: ChatResult
@@ -302,7 +305,7 @@ class Upstream:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
 
 
-_Usage = tuple[int, int, int]  # prompt, completion (reasoning included), reasoning
+_Usage = tuple[int, int, int, int]  # prompt, completion (reasoning included), reasoning, cached
 
 
 def _body(call: ChatCall) -> dict[str, Any]:
@@ -329,15 +332,19 @@ def _read_completion(completion: Any, result: ChatResult) -> _Usage | None:
         return None
     details = u.completion_tokens_details
     reasoning = (details.reasoning_tokens or 0) if details is not None else 0
-    return u.prompt_tokens, u.completion_tokens, reasoning
+    prompt_details = u.prompt_tokens_details
+    cached = (prompt_details.cached_tokens or 0) if prompt_details is not None else 0
+    return u.prompt_tokens, u.completion_tokens, reasoning, cached
 
 
 def _usage_of(u: dict[str, Any]) -> _Usage:
     details = u.get("completion_tokens_details") or {}
+    prompt_details = u.get("prompt_tokens_details") or {}
     return (
         int(u.get("prompt_tokens", 0)),
         int(u.get("completion_tokens", 0)),
         int(details.get("reasoning_tokens") or 0),
+        int(prompt_details.get("cached_tokens") or 0),
     )
 
 

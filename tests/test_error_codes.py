@@ -241,7 +241,9 @@ async def test_a_retry_that_diverges_stops_the_deltas_and_done_carries_the_answe
     # write a shorter text, so the retry (same request, same seed) starts with the same
     # words but ends its first sentence where the client already saw more.
     # 120 text tokens also lengthen the vision reply's free text: give it room.
-    settings = settings_for(database_url, sim, openai_read_timeout_s=1.0, vision_max_tokens=400)
+    # The reply caches off: the second scan of the photo must reach the simulator.
+    no_caches = {"vision_cache_entries": 0, "answer_cache_entries": 0}
+    settings = settings_for(database_url, sim, openai_read_timeout_s=1.0, vision_max_tokens=400, **no_caches)
     request = photo(47)
     await sim_configure(sim, text_tokens=120, time_scale=0.02)
     async with running_service(settings) as svc:

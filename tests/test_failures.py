@@ -81,7 +81,9 @@ async def test_a_stream_retried_mid_answer_does_not_duplicate_streamed_text(
 ) -> None:
     # The first answer stream stalls halfway; the service's read timeout fires and the
     # retry streams the same text again. The client must see it once.
-    settings = settings_for(database_url, sim, openai_read_timeout_s=0.3)
+    # The reply caches off: the second scan of the photo must reach the simulator.
+    no_caches = {"vision_cache_entries": 0, "answer_cache_entries": 0}
+    settings = settings_for(database_url, sim, openai_read_timeout_s=0.3, **no_caches)
     image = {"image_url": data_url(make_jpeg(12))}
     async with running_service(settings) as svc:
         clean = await run_scan(svc.client, json=image)

@@ -103,19 +103,21 @@ async def test_client_disconnect_cancels_scan_and_closes_upstream_stream(
 
 
 async def test_nothing_leaks_after_completed_failed_and_cancelled_scans(
-    service: Service, sim: RunningSimulator
+    database_url: str, sim: RunningSimulator
 ) -> None:
-    done = await asyncio.gather(*(scan_as(service, f"u{s}", s) for s in range(50, 56)))
-    assert all(o.terminal.event == "done" for o in done)
-    await sim_configure(sim, error_rate=1.0, error_kinds=["text"])
-    failed = await asyncio.gather(*(scan_as(service, f"u{s}", s) for s in range(60, 64)))
-    assert all(o.terminal.data["code"] == "UPSTREAM_ERROR" for o in failed)
-    await sim_configure(sim, error_rate=0.0, stall_rate=1.0, stall_s=10.0)
-    for i in range(3):
-        async with stalled_scan(service, f"leaver-{i}", seed=70 + i):
-            pass
-    assert await eventually(lambda: service.metric("ecoscan_scans_in_flight") == 0)
-    assert_nothing_held(service)
+    # The answer cache off: a photo classified like an earlier one must still fail its answer.
+    async with running_service(settings_for(database_url, sim, answer_cache_entries=0)) as service:
+        done = await asyncio.gather(*(scan_as(service, f"u{s}", s) for s in range(50, 56)))
+        assert all(o.terminal.event == "done" for o in done)
+        await sim_configure(sim, error_rate=1.0, error_kinds=["text"])
+        failed = await asyncio.gather(*(scan_as(service, f"u{s}", s) for s in range(60, 64)))
+        assert all(o.terminal.data["code"] == "UPSTREAM_ERROR" for o in failed)
+        await sim_configure(sim, error_rate=0.0, stall_rate=1.0, stall_s=10.0)
+        for i in range(3):
+            async with stalled_scan(service, f"leaver-{i}", seed=70 + i):
+                pass
+        assert await eventually(lambda: service.metric("ecoscan_scans_in_flight") == 0)
+        assert_nothing_held(service)
 
 
 async def test_global_cap_refuses_with_503_and_retry_after(database_url: str, sim: RunningSimulator) -> None:

@@ -482,7 +482,7 @@ async def test_stats_reset(sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient)
     assert (await stats(sim_http))["requests_total"] == 1
     reset = (await sim_http.post("/sim/stats/reset")).json()
     assert reset["requests_total"] == 0
-    assert reset["tokens"] == {"prompt": 0, "completion": 0, "reasoning": 0}
+    assert reset["tokens"] == {"prompt": 0, "completion": 0, "reasoning": 0, "cached": 0}
 
 
 def test_format_duration_and_stream_plan() -> None:

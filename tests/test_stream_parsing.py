@@ -41,7 +41,7 @@ async def test_chunks_split_anywhere_give_the_same_text_and_usage(size: int) -> 
 
     result = ChatResult()
     usage = await _read_chunks(feed(body, size), result, on_text)
-    assert usage == (12, 3, 0)
+    assert usage == (12, 3, 0, 0)
     assert result.text == "분리배출 하세요"
     assert seen == ["분리", "분리배출 ", "분리배출 하세요"]
     assert result.finish_reason == "stop"
@@ -78,8 +78,13 @@ async def test_a_stream_cut_off_before_its_finish_is_a_retryable_failure(body: b
 async def test_refusal_pieces_are_collected_apart_from_content() -> None:
     refusal = {"choices": [{"index": 0, "delta": {"content": None, "refusal": "I can't"}}]}
     tail = {"choices": [{"index": 0, "delta": {"refusal": " help."}, "finish_reason": "stop"}]}
-    usage = {"prompt_tokens": 5, "completion_tokens": 9, "completion_tokens_details": {"reasoning_tokens": 4}}
+    usage = {
+        "prompt_tokens": 2048,
+        "completion_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 1920},
+        "completion_tokens_details": {"reasoning_tokens": 4},
+    }
     body = sse(refusal) + sse(tail) + sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n"
     result = ChatResult()
-    assert await _read_chunks(feed(body, 6), result, ignore) == (5, 9, 4)
+    assert await _read_chunks(feed(body, 6), result, ignore) == (2048, 9, 4, 1920)
     assert (result.refusal, result.text, result.finish_reason) == ("I can't help.", "", "stop")

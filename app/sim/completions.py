@@ -105,6 +105,7 @@ class ChatCompletions:
             stats.rate_limited_total += 1
             body = _rate_limit_body(denial.message, denial.limit_type)
             return 429, body, headers + retry_headers(denial.retry_after_s)
+        stats.tokens_charged_total += cost  # what the TPM limit counted
         if state.inject_error(request.kind):
             stats.errors_injected_total += 1
             return config.error_status, SERVER_ERROR_BODY, headers
@@ -127,12 +128,14 @@ class ChatCompletions:
         headers.append((b"openai-processing-ms", str(round(latency * 1000)).encode()))
         stats.count_status(200)
         stats.prompt_tokens += request.prompt_tokens
+        cached = state.prompt_cache.cached_tokens(request.model, request.prompt_cache_key, request.prefixes)
+        stats.cached_tokens += cached
         stats.reasoning_tokens += reply.reasoning
         # Visible tokens are counted as they go out (a cancelled stream sends fewer).
         stats.completion_tokens += reply.reasoning
         completion_id = f"chatcmpl-{secrets.token_urlsafe(21)}"
         created = int(time.time())
-        totals = usage(request.prompt_tokens, reply)
+        totals = usage(request.prompt_tokens, reply, cached)
         if request.stream:
             encoder = ChunkEncoder(completion_id, created, request.model, request.include_usage, reply.field)
             await stream_events(

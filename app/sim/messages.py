@@ -1,4 +1,5 @@
-"""``messages`` and ``response_format``: validation, prompt-token count and content digest."""
+"""``messages`` and ``response_format``: validation, prompt-token count, content digest and
+the prefix digests OpenAI's prompt caching matches (app/sim/prompt_cache.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 from app.sim.errors import InvalidRequest
 from app.sim.images import image_tokens
 from app.sim.models import ModelFamily
-from app.sim.tokens import MESSAGE_OVERHEAD, REPLY_PRIMING, prompt_text_tokens
+from app.sim.prompt_cache import MIN_TOKENS, Part, prefix_digests, text_part
+from app.sim.tokens import MESSAGE_OVERHEAD, REPLY_PRIMING
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _DETAILS = {"low", "high", "auto"}
@@ -29,6 +31,7 @@ class Prompt:
     # a digest of the schema alone (what it derives from a schema is cached by it).
     text: str = ""
     schema_key: bytes = b""
+    prefixes: tuple[bytes, ...] = ()  # see app/sim/prompt_cache.py; empty under MIN_TOKENS
 
 
 def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
@@ -44,15 +47,18 @@ def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
     tokens = REPLY_PRIMING
     has_image = mentions_json = False
     user_text = ""
+    parts: list[Part] = []  # in reading order, for the prompt cache
     for i, message in enumerate(messages):
         role = _role(message, f"messages[{i}]")
         texts: list[str] = []
         hasher.update(b"\x00role\x00" + role.encode())
         tokens += MESSAGE_OVERHEAD
+        parts.append(Part(MESSAGE_OVERHEAD, label=role))
         for j, (text, detail) in enumerate(_content_parts(message.get("content"), f"messages[{i}].content")):
             if detail is None:
                 hasher.update(b"\x00text\x00" + text.encode())
-                tokens += prompt_text_tokens(text)
+                parts.append(text_part(text))
+                tokens += parts[-1].tokens
                 mentions_json = mentions_json or "json" in text.lower()
                 texts.append(text)
                 continue
@@ -63,7 +69,8 @@ def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
                 )
             has_image = True
             hasher.update(b"\x00image\x00" + text.encode())
-            tokens += image_tokens(text, detail, family.images)
+            parts.append(Part(image_tokens(text, detail, family.images), label=f"{detail} {text}"))
+            tokens += parts[-1].tokens
         if role == "user":
             user_text = "\n".join(texts)
     format_type, schema = _response_format(body.get("response_format"), mentions_json)
@@ -72,9 +79,12 @@ def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
         schema_text = json.dumps(schema, sort_keys=True, ensure_ascii=False)
         schema_key = hashlib.sha256(schema_text.encode()).digest()
         hasher.update(b"\x00schema\x00" + schema_key)
-        # OpenAI injects the schema into the prompt, so it is billed.
-        tokens += prompt_text_tokens(schema_text)
-    return Prompt(tokens, has_image, format_type, schema, hasher.digest(), user_text, schema_key)
+        # OpenAI injects the schema into the prompt, so it is billed; it comes first.
+        parts.insert(0, text_part(schema_text))
+        tokens += parts[0].tokens
+    parts.append(Part(REPLY_PRIMING, label="assistant priming"))
+    prefixes = prefix_digests(parts) if tokens >= MIN_TOKENS else ()
+    return Prompt(tokens, has_image, format_type, schema, hasher.digest(), user_text, schema_key, prefixes)
 
 
 def _role(message: Any, where: str) -> str:

@@ -54,13 +54,14 @@ def plan_reply(content: str, fault: str | None, cap: int | None, drawn_reasoning
     return Reply(field, tokens, finish, reasoning)
 
 
-def usage(prompt: int, reply: Reply) -> dict[str, Any]:
+def usage(prompt: int, reply: Reply, cached: int = 0) -> dict[str, Any]:
+    """``cached``: of the prompt, the tokens the prompt cache served (app/sim/prompt_cache.py)."""
     completion = reply.completion_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
         "completion_tokens_details": {
             "reasoning_tokens": reply.reasoning,
             "audio_tokens": 0,

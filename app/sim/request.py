@@ -51,6 +51,8 @@ class ChatRequest:
     digest: bytes
     text: str = ""  # the last user message's text
     schema_key: bytes = b""  # digest of the schema alone
+    prefixes: tuple[bytes, ...] = ()  # the prompt cache's prefix digests (app/sim/prompt_cache.py)
+    prompt_cache_key: str = ""
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -94,4 +96,6 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
         digest=prompt.digest,
         text=prompt.text,
         schema_key=prompt.schema_key,
+        prefixes=prompt.prefixes,
+        prompt_cache_key=body.get("prompt_cache_key") or "",
     )

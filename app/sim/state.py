@@ -1,5 +1,5 @@
-"""Live simulator state: current config, rate-limit buckets, stats, the fault RNG and
-the captured request bodies."""
+"""Live simulator state: current config, rate-limit buckets, the prompt cache, stats, the
+fault RNG and the captured request bodies."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from app.sim.config import REPLY_FAULTS, SimConfig
 from app.sim.latency import sample_latency
+from app.sim.prompt_cache import PromptCache
 from app.sim.ratelimit import RateLimiter
 from app.sim.stats import SimStats
 
@@ -33,6 +34,7 @@ class SimState:
         self.stats = SimStats()
         self.limiter = _limiter(config)
         self.rng = random.Random(config.seed)
+        self.prompt_cache = PromptCache()
         # Set on shutdown so injected stalls end instead of holding the server open.
         self.closing = asyncio.Event()
         # The latest request bodies as received (``capture_requests`` of them), oldest first.

@@ -17,11 +17,13 @@ class SimStats:
         self.by_status: dict[str, int] = {}
         self.by_kind: dict[str, int] = {"vision": 0, "text": 0}
         self.rate_limited_total = 0
+        self.tokens_charged_total = 0  # against TPM: max(prompt, cap) per admitted request
         self.quota_rejected_total = 0
         self.errors_injected_total = 0
         self.prompt_tokens = 0
         self.completion_tokens = 0  # reasoning + visible, as OpenAI bills them
         self.reasoning_tokens = 0
+        self.cached_tokens = 0  # of the prompt tokens, those the prompt cache served
         self.streams_started = 0
         self.streams_completed = 0
         self.streams_cancelled = 0
@@ -41,12 +43,14 @@ class SimStats:
             "by_status": dict(self.by_status),
             "by_kind": dict(self.by_kind),
             "rate_limited_total": self.rate_limited_total,
+            "tokens_charged_total": self.tokens_charged_total,
             "quota_rejected_total": self.quota_rejected_total,
             "errors_injected_total": self.errors_injected_total,
             "tokens": {
                 "prompt": self.prompt_tokens,
                 "completion": self.completion_tokens,
                 "reasoning": self.reasoning_tokens,
+                "cached": self.cached_tokens,
             },
             "streams_started": self.streams_started,
             "streams_completed": self.streams_completed,

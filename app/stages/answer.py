@@ -15,6 +15,16 @@ event-loop time than the answer is worth to a reader.
 Retries: a retried call starts a fresh text. Its rendering is only forwarded once
 it has grown past what the client already saw, so nothing is sent twice; if a retry
 diverges from the text already shown, deltas stop and `done` carries the answer.
+
+Economy. The prompt puts what scans share first, for OpenAI's prompt cache: the system
+prompt (after the schema, which OpenAI places before it), then the rule document, the
+same for every scan of its category, then what this scan saw and asked. And a scan
+without a question of its own gets the answer an identical request already got (the
+reply cache, app/reply_cache.py): the key is a digest of the whole request — model,
+parameters, schema, classification, item, tags (sorted), the rule document as sent.
+The rule's content is in the key, so a changed rule (NOTIFY clears the rule cache, the
+next scan reads the new document) can never be answered from the old one. The cached
+text reaches the client as a `delta` of its whole rendering, then as usual.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import jiter
 from app.errors import UpstreamBadResponse
 from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
 from app.model_profiles import CallShape
+from app.reply_cache import ReplyCache, request_digest
 from app.scan_context import ScanContext
 from app.stages.results import Answer, RuleMatch, VisionResult
 from app.upstream import ChatCall, ChatResult, Upstream
@@ -115,10 +126,17 @@ class AnswerStage:
     upstream_calls = 1
 
     def __init__(
-        self, upstream: Upstream, *, shape: CallShape, delta_flush_s: float, timeout_s: float
+        self,
+        upstream: Upstream,
+        *,
+        shape: CallShape,
+        delta_flush_s: float,
+        timeout_s: float,
+        cache: ReplyCache | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self._upstream = upstream
+        self._cache = cache
         self._shape = shape
         self._delta_flush_s = delta_flush_s
         self._response_format = {
@@ -127,15 +145,18 @@ class AnswerStage:
         }
         # The schema is part of the prompt OpenAI counts; constant, so priced once.
         self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
+        # What shapes every request but its messages.
+        self._request_shape = request_digest(shape.model, shape.params, self._response_format)
 
     def build_call(
         self, vision: VisionResult, rule: RuleMatch, user_input: str | None, safety_id: str | None = None
     ) -> ChatCall:
         c = vision.classification
+        # The rule first: every scan of its category sends it (see the module docstring).
         facts: dict[str, Any] = {
-            "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor or vision.item_name},
-            "상황 태그": vision.situation_tags,
             "배출 규칙": _condensed(rule.document) if rule.document else rule.reason,
+            "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor or vision.item_name},
+            "상황 태그": sorted(vision.situation_tags),
             "사용자 질문": user_input or "(없음)",
         }
         messages = [
@@ -154,12 +175,29 @@ class AnswerStage:
             safety_identifier=safety_id,
         )
 
+    def cache_key(self, call: ChatCall) -> str:
+        return request_digest(self._request_shape, call.messages)
+
     async def run(self, ctx: ScanContext) -> Answer:
         writer = _DeltaWriter(ctx.emit_delta, self._delta_flush_s)
-        call = self.build_call(ctx.vision, ctx.rule, ctx.scan.input.user_input, ctx.safety_id)
-        result = await self._upstream.stream(call, deadline=ctx.deadline, on_text=writer.update)
-        await writer.update(result.text, final=True)
-        return parse_answer(result.text, result)
+        user_input = ctx.scan.input.user_input
+        call = self.build_call(ctx.vision, ctx.rule, user_input, ctx.safety_id)
+        made: list[ChatResult] = []
+
+        async def write() -> str:
+            made.append(await self._upstream.stream(call, deadline=ctx.deadline, on_text=writer.update))
+            await writer.update(made[0].text, final=True)
+            parse_answer(made[0].text)  # an unusable reply raises here: never kept, never shared
+            return made[0].text
+
+        if self._cache is None or user_input:
+            text = await write()
+        else:
+            text = await self._cache.get_or_call(self.cache_key(call), write)
+        # From the cache or another scan's call: the whole rendering as one delta (after a
+        # call of this scan's own, everything was sent already and this sends nothing).
+        await writer.update(text, final=True)
+        return parse_answer(text, made[0] if made else None)
 
     def event_fields(self, result: Answer) -> dict[str, Any]:
         return {"answer": result.to_json()}
