@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cpu_per_scan(k6: dict[str, Any], service: dict[str, Any]) -> str:
+    """The service's CPU milliseconds per completed scan over the measured run."""
+    if not k6.get("completed") or service.get("cpu_s") is None:
+        return "-"
+    return f"{service['cpu_s'] * 1000 / k6['completed']:.2f}"
+
+
 def progress(index: int, count: int, point: Point, result: dict[str, Any]) -> str:
     head = f"[{index}/{count}] {point.label} {point.level_name}={point.level}"
     if "error" in result:
@@ -152,7 +159,8 @@ def progress(index: int, count: int, point: Point, result: dict[str, Any]) -> st
     p95 = fmt_ms(k6["total_p95"])
     return (
         f"{head} ... {k6['throughput']:.2f} scans/s p95 {p95} fail {fail} rejected {k6['rejected']:.0f} "
-        f"cpu {res['cpu_avg']:.0f}% rss {res['rss_max_mb']:.0f}MB ({result['elapsed_s']:.0f}s)"
+        f"cpu {res['cpu_avg']:.0f}% = {cpu_per_scan(k6, res)} ms/scan rss {res['rss_max_mb']:.0f}MB "
+        f"({result['elapsed_s']:.0f}s)"
     )
 
 

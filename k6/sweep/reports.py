@@ -66,6 +66,9 @@ def csv_row(point: Point, result: dict[str, Any]) -> dict[str, Any]:
             row[f"{stage}_{stat}_ms"] = k6.get(f"{stage}_{stat}")
     resources = result.get("resources", {})
     service = resources.get("service", {})
+    completed = k6.get("completed")
+    cpu_s = service.get("cpu_s")
+    row["cpu_ms_per_scan"] = cpu_s * 1000 / completed if cpu_s is not None and completed else None
     row["cpu_avg_pct"] = service.get("cpu_avg")
     row["cpu_max_pct"] = service.get("cpu_max")
     row["rss_max_mb"] = service.get("rss_max_mb")
@@ -96,7 +99,9 @@ def table_cells(point: Point, result: dict[str, Any]) -> list[str]:
     cells = [str(point.level)]
     cells += [triple(k6, stage) for stage in (*STAGES, "total")]
     cells += [fail, f"{k6['rejected']:.0f}", f"{k6['throughput']:.2f}"]
-    cells += [f"{res['cpu_avg']:.0f}% / {res['cpu_max']:.0f}%", f"{res['rss_max_mb']:.0f} MB"]
+    per_scan = res.get("cpu_s", 0.0) * 1000 / k6["completed"] if k6.get("completed") else None
+    cells += [f"{res['cpu_avg']:.0f}% / {res['cpu_max']:.0f}%"]
+    cells += ["-" if per_scan is None else f"{per_scan:.2f}", f"{res['rss_max_mb']:.0f} MB"]
     return cells
 
 
@@ -112,7 +117,7 @@ def write_table(path: Path, rows: Rows, title: str) -> None:
         )
     level_header = "rate/s" if rows and rows[0][0].level_name == "rate" else "VUs"
     header = [level_header, "prepare", "vision", "rule", "answer", "reward", "total", "fail %", "rejected"]
-    header += ["scans/s", "CPU avg / max", "RSS max"]
+    header += ["scans/s", "CPU avg / max", "CPU ms / scan", "RSS max"]
     for label, group in itertools.groupby(rows, key=lambda r: r[0].label):
         lines += ["", f"## {label}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for point, result in group:
