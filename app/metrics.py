@@ -56,9 +56,11 @@ class Metrics:
         if process:
             self._declare_process_collectors()
         self._declare_scan_metrics()
+        self._declare_scan_stream_metrics()
         self._declare_stage_metrics()
         self._declare_upstream_metrics()
         self._declare_budget_and_gate_metrics()
+        self._declare_shared_budget_metrics()
         self._declare_cpu_lane_and_loop_metrics()
         self._declare_admission_and_lifecycle_metrics()
         self._declare_cache_metrics()
@@ -100,6 +102,27 @@ class Metrics:
             "ecoscan_request_prepare_seconds",
             "Parsing and image preparation before the stream starts (CPU lane, incl. wait).",
             buckets=FAST_BUCKETS,
+            registry=r,
+        )
+
+    def _declare_scan_stream_metrics(self) -> None:
+        """Running scans' events mirrored to Redis Streams, and followed there from other replicas."""
+        r = self.registry
+        self.stream_events_mirrored = Counter(
+            "ecoscan_scan_stream_events_mirrored_total",
+            "Scan events appended to their Redis Stream (REDIS_URL).",
+            registry=r,
+        )
+        self.stream_mirror_failures = Counter(
+            "ecoscan_scan_stream_mirror_failures_total",
+            "Flushes of scan events to Redis that failed (retried; the scans go on).",
+            registry=r,
+        )
+        self.stream_follows = Counter(
+            "ecoscan_scan_stream_follows_total",
+            "Event requests for scans running on another replica, by outcome: served (from "
+            "Redis), refused (409: no usable stream, or Redis failed), cut (Redis failed mid-stream).",
+            ["outcome"],
             registry=r,
         )
 
@@ -146,7 +169,8 @@ class Metrics:
         )
         self.upstream_tokens = Counter(
             "ecoscan_upstream_tokens_total",
-            "Tokens by kind: prompt, completion (actual, from usage), estimated (reserved).",
+            "Tokens by kind: prompt, completion, reasoning, cached (prompt tokens served from "
+            "OpenAI's prompt cache), all from usage; estimated (reserved).",
             ["model", "kind"],
             registry=r,
         )
@@ -198,6 +222,41 @@ class Metrics:
         )
         self.semaphore_in_use = Gauge(
             "ecoscan_stage_semaphore_in_use", "Stage semaphore slots held.", ["stage"], registry=r
+        )
+
+    def _declare_shared_budget_metrics(self) -> None:
+        """The budget shared through Redis (REDIS_URL): whether it is, this process's share
+        of the key, and the round trips it costs."""
+        r = self.registry
+        self.budget_shared = Gauge(
+            "ecoscan_budget_shared",
+            "1 while the budget is shared through Redis, 0 while it falls back to a local share.",
+            ["model"],
+            registry=r,
+        )
+        self.budget_share = Gauge(
+            "ecoscan_budget_share",
+            "This process's share of the key: 1 / live replicas (its fallback rate while Redis is away).",
+            ["model"],
+            registry=r,
+        )
+        self.budget_redis_calls = Counter(
+            "ecoscan_budget_redis_calls_total",
+            "Lease calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, error.",
+            ["model", "op"],
+            registry=r,
+        )
+        self.budget_redis_call_seconds = Histogram(
+            "ecoscan_budget_redis_call_seconds",
+            "Round trip of one lease call to Redis (what sharing the budget adds to a wait).",
+            ["model"],
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.user_caps_redis_errors = Counter(
+            "ecoscan_user_caps_redis_errors_total",
+            "Per-user cap checks that fell back to this process's count because Redis failed.",
+            registry=r,
         )
 
     def _declare_cpu_lane_and_loop_metrics(self) -> None:

@@ -721,8 +721,9 @@ identical to those first sent, then live until its `done` or `error` event: how 
 that lost its connection resumes (a scan outlives its client by DISCONNECT_GRACE_S).
 The events are those of `POST /api/v1/scan/classify/completion`.
 
-A scan running on another replica can be followed once it has finished (409
-`SCAN_RUNNING_ELSEWHERE` until then). {_OWNERSHIP}"""
+A scan running on another replica is followed live through Redis when REDIS_URL is
+set; otherwise, or while Redis cannot serve the position, 409 `SCAN_RUNNING_ELSEWHERE`.
+{_OWNERSHIP}"""
 
 SCAN_EVENTS_OPENAPI_EXTRA: dict[str, Any] = {
     "parameters": [

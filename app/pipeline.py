@@ -14,6 +14,7 @@ writes exactly one terminal row (`completed`, `failed` or `cancelled`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -34,6 +35,7 @@ from app.scan_context import AcceptedScan, ScanContext
 from app.scan_events import AnswerDelta, EventLog, LogEntry, ScanDone, ScanErrored
 from app.scan_run import ScanRun
 from app.scan_store import ScanStore, TerminalRow
+from app.scan_streams import ScanStreams
 from app.stage_runner import PROGRESS_END, ScanProgress, StageRunner
 from app.upstream import safety_identifier
 
@@ -59,8 +61,10 @@ class ScanPipeline:
         clock: Clock,
         on_finished: Callable[[float], None] | None = None,
         disconnect_grace_s: float = 0.0,
+        streams: ScanStreams | None = None,
     ) -> None:
         self._runner = runner
+        self._streams = streams  # REDIS_URL: every scan's events mirrored for other replicas
         self._disconnect_grace_s = disconnect_grace_s
         self._store = store
         self._metrics = metrics
@@ -76,7 +80,12 @@ class ScanPipeline:
         self._row_writes: set[asyncio.Task[None]] = set()
 
     def start(self, scan: AcceptedScan, *, token_sha256: str | None = None) -> ScanRun:
-        run = ScanRun(scan, grace_s=self._disconnect_grace_s, token_sha256=token_sha256)
+        followed = functools.partial(self._streams.followed_elsewhere, scan.id) if self._streams else None
+        run = ScanRun(
+            scan, grace_s=self._disconnect_grace_s, token_sha256=token_sha256, followed_elsewhere=followed
+        )
+        if self._streams is not None:
+            self._streams.mirror(scan.id, run.log)
         run.task = task = asyncio.create_task(self._run(run), name=f"scan-{scan.id}")
         self.running[task] = run
         self.runs[scan.id] = run

@@ -10,6 +10,7 @@ loopback port. Both are logged loudly, with how to switch to the real thing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
@@ -33,15 +34,19 @@ from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
 from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
+from app.limits.shared_budget import SharedRateBudget
+from app.limits.shared_user_caps import SharedUserCaps
 from app.limits.stage_gate import StageGate
 from app.loop_lag import probe_loop_lag
 from app.lost_scans import purge_old_scans, sweep_lost_scans
 from app.metrics import Metrics
 from app.pipeline import ScanPipeline
+from app.redis_link import RedisLink, redact_url
 from app.reply_cache import CacheLimits, ReplyCache
 from app.scan_access import ScanAccess
 from app.scan_input import InputLimits
 from app.scan_store import ScanStore
+from app.scan_streams import ScanStreams
 from app.settings import Settings
 from app.stage_runner import StageRunner
 from app.stages.answer import AnswerStage
@@ -90,6 +95,7 @@ class Resources:
     acceptance: ScanAcceptance
     input_limits: InputLimits
     upstream_base_url: str
+    redis: RedisLink | None = None  # REDIS_URL set: what replicas share (app/redis_link.py)
     simulator: Any = None  # app.sim.server.RunningSimulator when embedded
 
 
@@ -105,7 +111,10 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         rules = await _rule_book(settings, pool, taxonomy, dsn, stack)
         metrics.rules_listener_up.set_function(_reader(rules, "listening"))
         client, base_url, simulator = await _openai_client(settings, stack)
-        upstream = _upstream(settings, client, metrics, clock)
+        redis = await _redis_link(settings, stack)
+        upstream = _upstream(
+            settings, client, metrics, clock, _budgets(settings, redis, metrics, clock, stack)
+        )
         vision = VisionStage(
             upstream,
             taxonomy,
@@ -124,11 +133,13 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         reward = RewardStage(pool, characters, taxonomy.recyclable, timeout_s=settings.db_timeout_s)
         # The scan's stages, in order: adding one is adding it here (see ARCHITECTURE.md).
         runner = StageRunner([vision, rules, answer, reward], metrics=metrics, clock=clock)
-        admission = _admission(settings, vision.predicted_budget_wait, runner.calls_per_scan)
+        user_caps = _shared_user_caps(redis, metrics, stack)
+        admission = _admission(settings, vision.predicted_budget_wait, runner.calls_per_scan, user_caps)
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
         cpu.observers.append(metrics.observe_cpu_job)
         stack.callback(cpu.shutdown)
         store = await _scan_store(settings, pool, instance_id, stack)
+        streams = _scan_streams(settings, redis, metrics, stack)
         pipeline = ScanPipeline(
             runner,
             store=store,
@@ -137,6 +148,7 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             clock=clock,
             on_finished=admission.observe_scan_duration,
             disconnect_grace_s=settings.disconnect_grace_s,
+            streams=streams,
         )
         # Runs first on the way out: scans the drain left (or all of them, when no
         # drain ran) end with SERVER_SHUTDOWN and record their rows while the pool,
@@ -173,11 +185,12 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             pipeline=pipeline,
             drain=drain,
             identity=identity,
-            access=ScanAccess(pipeline, store, metrics, ping_s=settings.sse_ping_s),
+            access=ScanAccess(pipeline, store, metrics, ping_s=settings.sse_ping_s, streams=streams),
             collections=Collections(pool, timeout_s=settings.db_timeout_s),
             acceptance=acceptance,
             input_limits=input_limits,
             upstream_base_url=base_url,
+            redis=redis,
             simulator=simulator,
         )
 
@@ -256,18 +269,48 @@ async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[ope
     return client, base_url, simulator
 
 
-def _upstream(settings: Settings, client: openai.AsyncOpenAI, metrics: Metrics, clock: Clock) -> Upstream:
-    """One rate budget per model (two stages on one model share it), one gate per stage."""
-    budgets = {
-        model: RateBudget(
-            rpm=settings.openai_rpm,
-            tpm=settings.openai_tpm,
-            burst_fraction=settings.rate_burst_fraction,
+def _budgets(
+    settings: Settings, redis: RedisLink | None, metrics: Metrics, clock: Clock, stack: AsyncExitStack
+) -> dict[str, RateBudget]:
+    """One rate budget per model (two stages on one model share it); with REDIS_URL,
+    one for every replica (app/limits/shared_budget.py)."""
+    limits = {"rpm": settings.openai_rpm, "tpm": settings.openai_tpm}
+    budgets: dict[str, RateBudget] = {}
+    for model in sorted({settings.vision_model, settings.answer_model}):
+        fraction = settings.rate_burst_fraction
+        if redis is None:
+            budgets[model] = RateBudget(**limits, burst_fraction=fraction, clock=clock, name=model)
+            continue
+        shared = SharedRateBudget(
+            redis,
+            **limits,
+            burst_fraction=fraction,
             clock=clock,
             name=model,
+            on_call=functools.partial(_count_redis_call, metrics, model),
         )
-        for model in {settings.vision_model, settings.answer_model}
-    }
+        shared.start()
+        stack.push_async_callback(_bounded_close, f"shared budget {model}", shared.aclose)
+        metrics.budget_shared.labels(model).set_function(_reader(shared, "shared"))
+        metrics.budget_share.labels(model).set_function(_reader(shared, "share"))
+        budgets[model] = shared
+    return budgets
+
+
+def _count_redis_call(metrics: Metrics, model: str, op: str, seconds: float) -> None:
+    metrics.budget_redis_calls.labels(model, op).inc()
+    if op != "error":
+        metrics.budget_redis_call_seconds.labels(model).observe(seconds)
+
+
+def _upstream(
+    settings: Settings,
+    client: openai.AsyncOpenAI,
+    metrics: Metrics,
+    clock: Clock,
+    budgets: dict[str, RateBudget],
+) -> Upstream:
+    """The budgets, one gate per stage, the retry policy: every OpenAI call's path."""
     gates = {
         "vision": StageGate("vision", settings.vision_concurrency),
         "answer": StageGate("answer", settings.answer_concurrency),
@@ -280,13 +323,29 @@ def _upstream(settings: Settings, client: openai.AsyncOpenAI, metrics: Metrics, 
     return Upstream(client, budgets=budgets, gates=gates, retry=retry, metrics=metrics, clock=clock)
 
 
-def _reply_cache(settings: Settings, stage: str, metrics: Metrics, clock: Clock) -> ReplyCache:
-    """The stage's reply cache (app/reply_cache.py), bounded by its VISION_/ANSWER_CACHE_* settings."""
-    if stage == "vision":
-        bounds = (settings.vision_cache_entries, settings.vision_cache_bytes, settings.vision_cache_ttl_s)
-    else:
-        bounds = (settings.answer_cache_entries, settings.answer_cache_bytes, settings.answer_cache_ttl_s)
-    return ReplyCache(stage, CacheLimits(*bounds), clock=clock, metrics=metrics)
+async def _redis_link(settings: Settings, stack: AsyncExitStack) -> RedisLink | None:
+    """REDIS_URL's link, or None. An unreachable Redis does not stop the start: every
+    user of the link falls back to its in-process behaviour until Redis answers."""
+    if settings.redis_url is None:
+        return None
+    link = RedisLink(settings.redis_url, prefix=settings.redis_prefix, timeout_s=settings.redis_timeout_s)
+    stack.push_async_callback(_bounded_close, "Redis link", link.close)
+    if not await link.ping():
+        log.warning("Redis at %s does not answer; starting with in-process fallbacks", redact_url(link.url))
+    return link
+
+
+def _scan_streams(
+    settings: Settings, redis: RedisLink | None, metrics: Metrics, stack: AsyncExitStack
+) -> ScanStreams | None:
+    """Running scans' events mirrored to Redis, for any replica to follow (app/scan_streams.py).
+    Closed after `pipeline.cancel_all` (pushed later), so the last terminal events go out."""
+    if redis is None:
+        return None
+    deadline_s, block_s = settings.scan_deadline_s, settings.sse_ping_s
+    streams = ScanStreams(redis, metrics, scan_deadline_s=deadline_s, block_s=block_s)
+    stack.push_async_callback(_bounded_close, "scan event streams", streams.close)
+    return streams
 
 
 async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:
@@ -296,8 +355,31 @@ async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:
     return identity
 
 
+def _reply_cache(settings: Settings, stage: str, metrics: Metrics, clock: Clock) -> ReplyCache:
+    """The stage's reply cache (app/reply_cache.py), bounded by its VISION_/ANSWER_CACHE_* settings."""
+    if stage == "vision":
+        bounds = (settings.vision_cache_entries, settings.vision_cache_bytes, settings.vision_cache_ttl_s)
+    else:
+        bounds = (settings.answer_cache_entries, settings.answer_cache_bytes, settings.answer_cache_ttl_s)
+    return ReplyCache(stage, CacheLimits(*bounds), clock=clock, metrics=metrics)
+
+
+def _shared_user_caps(
+    redis: RedisLink | None, metrics: Metrics, stack: AsyncExitStack
+) -> SharedUserCaps | None:
+    if redis is None:
+        return None
+    caps = SharedUserCaps(redis, on_error=metrics.user_caps_redis_errors.inc)
+    caps.start()
+    stack.push_async_callback(_bounded_close, "per-user caps", caps.aclose)
+    return caps
+
+
 def _admission(
-    settings: Settings, predicted_budget_wait: Callable[[int], float], calls_per_scan: int
+    settings: Settings,
+    predicted_budget_wait: Callable[[int], float],
+    calls_per_scan: int,
+    user_caps: SharedUserCaps | None,
 ) -> Admission:
     return Admission(
         max_inflight=settings.max_inflight_scans,
@@ -306,6 +388,7 @@ def _admission(
         max_budget_wait_s=settings.max_budget_wait_s,
         predicted_budget_wait=predicted_budget_wait,
         calls_per_scan=calls_per_scan,
+        user_caps=user_caps,
     )
 
 

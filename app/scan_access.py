@@ -7,12 +7,15 @@ capability token returned once in `X-Scan-Token` when it was created. Anyone els
 
 Where a scan is read from: this process's memory while it runs here (and a minute
 after), else the database, whose row holds the event log as it was sent. A scan
-running on another replica can be read once it has finished (following it live there
-comes with the shared-Redis issue).
+running on another replica (its row `running`, no run here) is followed through the
+Redis Stream its owner mirrors its events to (app/scan_streams.py) when REDIS_URL is
+set; without Redis, or while that stream cannot serve the position, it is 409
+`SCAN_RUNNING_ELSEWHERE` until it has finished.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -38,7 +41,8 @@ from app.pipeline import ScanPipeline
 from app.scan_events import EventLog
 from app.scan_run import ScanRun
 from app.scan_store import ScanStore, StoredScan
-from app.streaming import replayed_response, resumed_response, to_sse
+from app.scan_streams import ScanStreams
+from app.streaming import followed_response, replayed_response, resumed_response, to_sse
 
 
 def token_hash(token: str) -> str:
@@ -54,11 +58,20 @@ class Reader:
 
 
 class ScanAccess:
-    def __init__(self, pipeline: ScanPipeline, store: ScanStore, metrics: Metrics, *, ping_s: float) -> None:
+    def __init__(
+        self,
+        pipeline: ScanPipeline,
+        store: ScanStore,
+        metrics: Metrics,
+        *,
+        ping_s: float,
+        streams: ScanStreams | None = None,
+    ) -> None:
         self._pipeline = pipeline
         self._store = store
         self._metrics = metrics
         self._ping_s = ping_s
+        self._streams = streams
 
     async def status(self, scan_id: uuid.UUID, reader: Reader) -> dict[str, Any]:
         """`{job_id, status, created_at, finished_at, result | error}`; `result` is the
@@ -82,11 +95,33 @@ class ScanAccess:
             return resumed_response(run, self._metrics, after=after, ping_s=self._ping_s, headers=headers)
         assert stored is not None
         if stored.event_log is None:
-            raise ScanRunningElsewhere() if stored.status == "running" else ScanEventsGone()
+            if stored.status != "running":
+                raise ScanEventsGone()
+            return await self._follow_elsewhere(scan_id, after, headers)
         log = EventLog.from_json(stored.event_log)
         if _past_the_end(log, after):
             return Response(status_code=204, headers=headers)
         return replayed_response(str(scan_id), log, after=after, ping_s=self._ping_s, headers=headers)
+
+    async def _follow_elsewhere(
+        self, scan_id: uuid.UUID, after: int, headers: dict[str, str] | None
+    ) -> Response:
+        """A scan another replica runs, from the Redis Stream it mirrors its events to."""
+        if self._streams is None:
+            raise ScanRunningElsewhere()
+        still_running = functools.partial(self._still_running, scan_id)
+        entries = await self._streams.follow(scan_id, after, still_running=still_running)
+        if entries is None:
+            return Response(status_code=204, headers=headers)
+        return followed_response(str(scan_id), entries, ping_s=self._ping_s, headers=headers)
+
+    async def _still_running(self, scan_id: uuid.UUID) -> bool:
+        """Whether its row still says `running` (a database that does not answer: yes)."""
+        try:
+            stored = await self._store.load(scan_id)
+        except DatabaseError:
+            return True
+        return stored is not None and stored.status == "running"
 
     def replay(self, scan_id: uuid.UUID, *, headers: dict[str, str] | None = None) -> Awaitable[Response]:
         """A repeated POST's answer: the scan its idempotency key names, from the start.
@@ -98,7 +133,7 @@ class ScanAccess:
         if run is None:
             assert stored is not None
             if stored.status == "running":
-                raise ScanRunningElsewhere("The scan runs on another replica; cancel it there.")
+                raise ScanRunningElsewhere("The scan runs on another replica; cancels are not relayed.")
             raise ScanAlreadyFinished()
         if run.log.closed:
             raise ScanAlreadyFinished()

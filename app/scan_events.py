@@ -153,7 +153,7 @@ class EventLog:
     def from_json(cls, text: str) -> EventLog:
         log = cls()
         for seq, progress, kind, step, fields in json.loads(text):
-            log.publish(LogEntry(seq, progress, RecordedEvent(step, kind, fields)))
+            log.publish(LogEntry(seq, progress, RecordedEvent(kind=kind, step=step, recorded=fields)))
         return log
 
     async def follow(self, after_seq: int = 0) -> AsyncIterator[LogEntry]:

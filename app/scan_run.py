@@ -5,12 +5,16 @@ A dropped connection does not end a scan at once: when its last follower leaves,
 scan keeps running for `grace_s` (`DISCONNECT_GRACE_S`), so a phone that reconnects
 (`GET /api/v1/scan/{id}/events` with `Last-Event-ID`) finds it still going and pays for
 no second scan. If nobody comes back in time, it is cancelled as a disconnect: the
-upstream call is closed and the row says `cancelled / CLIENT_DISCONNECTED`.
+upstream call is closed and the row says `cancelled / CLIENT_DISCONNECTED`. With
+REDIS_URL set, a client that came back through another replica follows the scan there
+(app/scan_streams.py); while it does, `followed_elsewhere` says so and the grace starts
+over instead of ending the scan.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 from app.errors import EcoscanError
@@ -19,7 +23,14 @@ from app.scan_events import EventLog
 
 
 class ScanRun:
-    def __init__(self, scan: AcceptedScan, *, grace_s: float = 0.0, token_sha256: str | None = None) -> None:
+    def __init__(
+        self,
+        scan: AcceptedScan,
+        *,
+        grace_s: float = 0.0,
+        token_sha256: str | None = None,
+        followed_elsewhere: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
         self.scan = scan
         self.token_sha256 = token_sha256  # an anonymous scan's capability token, hashed
         self.created_at = datetime.now(UTC)
@@ -33,6 +44,8 @@ class ScanRun:
         self.followers = 0
         self._grace_s = grace_s
         self._abandon: asyncio.TimerHandle | None = None
+        self._followed_elsewhere = followed_elsewhere
+        self._asking: asyncio.Task[None] | None = None  # is it followed elsewhere?
 
     def ended(self, status: str) -> None:
         self.status = status
@@ -61,7 +74,22 @@ class ScanRun:
 
     def _abandoned(self) -> None:
         self._abandon = None
-        if self.followers == 0:
+        if self.followers > 0:
+            return
+        if self._followed_elsewhere is None:
+            self.cancel()
+        else:
+            self._asking = asyncio.create_task(self._cancel_unless_followed_elsewhere())
+
+    async def _cancel_unless_followed_elsewhere(self) -> None:
+        """Bounded by REDIS_TIMEOUT_S; an unanswered question counts as no."""
+        assert self._followed_elsewhere is not None
+        followed = await self._followed_elsewhere()
+        if self.followers > 0 or self.done or self.log.closed:
+            return
+        if followed:
+            self._abandon = asyncio.get_running_loop().call_later(self._grace_s, self._abandoned)
+        else:
             self.cancel()
 
     def cancel(self, reason: EcoscanError | None = None) -> None:

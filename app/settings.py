@@ -68,6 +68,13 @@ class Settings:
     retry_base_delay_s: float = 0.25
     retry_max_delay_s: float = 8.0
 
+    # --- many replicas, one key (app/redis_link.py, app/limits/shared_budget.py) -------
+    # Set: the OpenAI budget, per-user caps and running scans' events are shared by every
+    # process using the same Redis and prefix. Unset: everything stays in-process.
+    redis_url: str | None = field(default=None, repr=False)
+    redis_prefix: str = "ecoscan"
+    redis_timeout_s: float = 0.5
+
     # --- request and image handling ----------------------------------------------
     image_max_bytes: int = 10 * 1024 * 1024
     image_max_pixels: int = 40_000_000
@@ -135,12 +142,19 @@ class Settings:
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
         self._check_models()
+        self._check_redis()
         from app.identity import check_settings as check_identity  # not at the top: it imports us
 
         check_identity(self)
         if self.openai_api_key is None and self.openai_base_url is not None:
             # A base URL without a key would silently fall back to the simulator.
             raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
+
+    def _check_redis(self) -> None:
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise SettingsError("REDIS_URL must start with redis://, rediss:// or unix://")
+        if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):
+            raise SettingsError(f"REDIS_PREFIX must be non-empty without spaces, got {self.redis_prefix!r}")
 
     def _check_models(self) -> None:
         if self.openai_token_param not in TOKEN_PARAM_CHOICES:

@@ -80,6 +80,14 @@ def replayed_response(
     return _response(job_id, _stored(job_id, log, after), ping_s, headers)
 
 
+def followed_response(
+    job_id: str, entries: AsyncIterator[LogEntry], *, ping_s: float, headers: dict[str, str] | None = None
+) -> EventSourceResponse:
+    """A scan another replica runs, from the Redis Stream it mirrors its log to
+    (app/scan_streams.py): the same bytes its owner sends."""
+    return _response(job_id, _mirrored(job_id, entries), ping_s, headers)
+
+
 def _response(
     job_id: str, events: AsyncIterator[ServerSentEvent], ping_s: float, headers: dict[str, str] | None
 ) -> EventSourceResponse:
@@ -117,6 +125,11 @@ async def _live(
 
 async def _stored(job_id: str, log: EventLog, after: int) -> AsyncIterator[ServerSentEvent]:
     async for entry in log.follow(after):
+        yield to_sse(job_id, entry)
+
+
+async def _mirrored(job_id: str, entries: AsyncIterator[LogEntry]) -> AsyncIterator[ServerSentEvent]:
+    async for entry in entries:
         yield to_sse(job_id, entry)
 
 

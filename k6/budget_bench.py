@@ -10,6 +10,12 @@ polls the simulator's stats every 5 s, and reports per-window throughput from th
     python k6/budget_bench.py --vus 200 --duration 240s --warmup 60             # Tier 1
     python k6/budget_bench.py --vus 200 --duration 240s --warmup 60 --sim-rpm 300  # lower tier
     python k6/budget_bench.py --vus 200 --duration 240s --warmup 60 --sim-shared-rpm 200  # shared key
+    python k6/budget_bench.py --replicas 3 --sim-tpm 200000 --service-tpm 200000  # 3 replicas
+    python k6/budget_bench.py --replicas 3 --kill-at 120 ...                      # SIGKILL one
+
+Every replica (--replicas N) gets the key's whole limit and REDIS_URL (--redis-url,
+a fresh prefix per run), k6 sends each scan to the next replica in turn, and the report
+adds Redis round trips per scan, the lease call's latency and the budget wait p95.
 
 Needs the machine's PostgreSQL (--database-url, default 127.0.0.1:5432); a fresh
 database is created for each run.
@@ -18,6 +24,7 @@ database is created for each run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -79,6 +86,10 @@ def main() -> int:
     p.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
     p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "budget")
     p.add_argument("--set", action="append", default=[], help="extra service env KEY=VALUE")
+    p.add_argument("--replicas", type=int, default=1, help="service processes sharing the key")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="REDIS_URL of every replica")
+    p.add_argument("--no-redis", action="store_true", help="no REDIS_URL: each replica budgets alone")
+    p.add_argument("--kill-at", type=float, default=0.0, help="SIGKILL the last replica this many s in")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     make_images.generate(sets=[args.image_set])
@@ -86,7 +97,8 @@ def main() -> int:
     db = f"ecoscan_budget_{os.getpid()}"
     psql(args.database_url, f'CREATE DATABASE "{db}"')
     dsn = args.database_url.rsplit("/", 1)[0] + "/" + db
-    sim_port, svc_port = free_port(), free_port()
+    sim_port = free_port()
+    svc_ports = [free_port() for _ in range(args.replicas)]
     procs: list[subprocess.Popen[bytes]] = []
     timeline: list[dict[str, Any]] = []
     stop = threading.Event()
@@ -106,19 +118,15 @@ def main() -> int:
             "OPENAI_TPM": str(args.service_tpm),
             "LOG_LEVEL": "WARNING",
         }
+        if not args.no_redis:
+            env.update(REDIS_URL=args.redis_url, REDIS_PREFIX=f"ecoscan-bench-{os.getpid()}")
         env.update(kv.split("=", 1) for kv in args.set)
-        svc_log = open(args.out / "service.log", "wb")  # noqa: SIM115 - closed with the process
-        procs.append(
-            subprocess.Popen(
-                [str(BIN / "uvicorn"), "app.main:app", "--port", str(svc_port), "--no-access-log"],
-                cwd=ROOT,
-                env=env,
-                stdout=svc_log,
-                stderr=subprocess.STDOUT,
-            )
-        )
+        replicas = [start_replica(args, env, port, index) for index, port in enumerate(svc_ports)]
+        procs.extend(replicas)
         wait_ready(f"http://127.0.0.1:{sim_port}/sim/stats")
-        wait_ready(f"http://127.0.0.1:{svc_port}/readyz")
+        for port in svc_ports:
+            wait_ready(f"http://127.0.0.1:{port}/readyz")
+        scrapes: dict[int, dict[str, float]] = {}
 
         def poll() -> None:
             t0 = time.monotonic()
@@ -128,13 +136,20 @@ def main() -> int:
                 except OSError:
                     continue
                 timeline.append({"t": round(time.monotonic() - t0, 1), **stats})
+                for port in svc_ports:
+                    with contextlib.suppress(OSError):
+                        scrapes[port] = scrape(f"http://127.0.0.1:{port}/metrics")
+                if args.kill_at and time.monotonic() - t0 >= args.kill_at and replicas[-1].poll() is None:
+                    replicas[-1].kill()
+                    timeline[-1]["killed"] = True
 
         poller = threading.Thread(target=poll, daemon=True)
         started_at = time.time()
         poller.start()
         k6_env = {
             **os.environ,
-            "BASE_URL": f"http://127.0.0.1:{svc_port}",
+            "BASE_URL": f"http://127.0.0.1:{svc_ports[0]}",
+            "BASE_URLS": ",".join(f"http://127.0.0.1:{port}" for port in svc_ports),
             "VUS": str(args.vus),
             "DURATION": args.duration,
             "IMAGE_SET": args.image_set,
@@ -151,7 +166,10 @@ def main() -> int:
         ended_at = time.time()
         stop.set()
         poller.join()
-        report(args, dsn, started_at, ended_at, timeline)
+        for port in svc_ports:
+            with contextlib.suppress(OSError):
+                scrapes[port] = scrape(f"http://127.0.0.1:{port}/metrics")
+        report(args, dsn, started_at, ended_at, timeline, list(scrapes.values()))
     finally:
         stop.set()
         for proc in reversed(procs):
@@ -165,7 +183,71 @@ def main() -> int:
     return 0
 
 
-def report(args: argparse.Namespace, dsn: str, t0: float, t1: float, timeline: list[dict[str, Any]]) -> None:
+def start_replica(
+    args: argparse.Namespace, env: dict[str, str], port: int, index: int
+) -> subprocess.Popen[bytes]:
+    log = open(args.out / f"service-{index}.log", "wb")  # noqa: SIM115 - closed with the process
+    command = [str(BIN / "uvicorn"), "app.main:app", "--port", str(port), "--no-access-log"]
+    command += ["--http", "app.http_protocol:HttpToolsProtocol"]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A /metrics page as {sample name with labels: value}."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def summed(scrapes: list[dict[str, float]], prefix: str, contains: str = "") -> float:
+    return sum(v for s in scrapes for k, v in s.items() if k.startswith(prefix) and contains in k)
+
+
+def histogram_quantile(scrapes: list[dict[str, float]], name: str, q: float) -> float | None:
+    """The q-quantile's bucket bound of histogram `name`, summed over replicas and labels."""
+    buckets: dict[float, float] = {}
+    for s in scrapes:
+        for key, value in s.items():
+            if key.startswith(name + "_bucket{"):
+                bound = key.split('le="', 1)[1].split('"', 1)[0]
+                le = float("inf") if bound == "+Inf" else float(bound)
+                buckets[le] = buckets.get(le, 0.0) + value
+    if not buckets:
+        return None
+    total = buckets[max(buckets)]
+    for le in sorted(buckets):
+        if total and buckets[le] >= q * total:
+            return le
+    return None
+
+
+def shared_budget_lines(scrapes: list[dict[str, float]], completed_all: int) -> list[str]:
+    calls = summed(scrapes, "ecoscan_budget_redis_calls_total")
+    errors = summed(scrapes, "ecoscan_budget_redis_calls_total", 'op="error"')
+    upstream = summed(scrapes, "ecoscan_upstream_calls_total")
+    lease = histogram_quantile(scrapes, "ecoscan_budget_redis_call_seconds", 0.95)
+    wait = histogram_quantile(scrapes, "ecoscan_budget_wait_seconds", 0.95)
+    per_scan = calls / completed_all if completed_all else float("nan")
+    return [
+        f"redis lease calls: {calls:.0f} ({errors:.0f} errors) for {upstream:.0f} upstream calls "
+        f"= {per_scan:.2f} per completed scan; lease call p95 <= {lease} s; budget wait p95 <= {wait} s "
+        "(bucket bounds, summed over the replicas still up at the last scrape)"
+    ]
+
+
+def report(
+    args: argparse.Namespace,
+    dsn: str,
+    t0: float,
+    t1: float,
+    timeline: list[dict[str, Any]],
+    scrapes: list[dict[str, float]],
+) -> None:
     steady_from = t0 + args.warmup
     window = t1 - steady_from
     completed = int(
@@ -178,17 +260,27 @@ def report(args: argparse.Namespace, dsn: str, t0: float, t1: float, timeline: l
     outcomes = psql(
         dsn, "SELECT status, coalesce(error_code, ''), count(*) FROM scans GROUP BY 1, 2 ORDER BY 3 DESC"
     )
+    per_10s = psql(
+        dsn,
+        "SELECT floor(extract(epoch FROM finished_at - to_timestamp("
+        f"{t0})) / 10)::int AS w, count(*) FROM scans WHERE status = 'completed' GROUP BY 1 ORDER BY 1",
+    )
     per_30s = psql(
         dsn,
         "SELECT floor(extract(epoch FROM finished_at - to_timestamp("
         f"{t0})) / 30)::int AS w, count(*) FROM scans WHERE status = 'completed' GROUP BY 1 ORDER BY 1",
     )
     bound = min(args.sim_rpm - args.sim_shared_rpm, args.service_rpm) / 60 / 2
+    tokens_per_scan = tokens_charged(timeline) / max(1, completed_total(dsn))
+    if tokens_per_scan:
+        bound = min(bound, min(args.sim_tpm, args.service_tpm) / 60 / tokens_per_scan)
     rate = completed / window
     last = timeline[-1] if timeline else {}
     lines = [
         f"vus={args.vus} duration={args.duration} warmup={args.warmup}s sim_rpm={args.sim_rpm} "
-        f"sim_tpm={args.sim_tpm} sim_shared_rpm={args.sim_shared_rpm} service_rpm={args.service_rpm}",
+        f"sim_tpm={args.sim_tpm} sim_shared_rpm={args.sim_shared_rpm} service_rpm={args.service_rpm} "
+        f"service_tpm={args.service_tpm} replicas={args.replicas} kill_at={args.kill_at or '-'} "
+        f"tokens/scan={tokens_per_scan:.0f}",
         f"steady state: {completed} completed in {window:.0f}s = {rate:.3f} scans/s "
         f"= {100 * rate / bound:.1f}% of the {bound:.3f} scans/s bound",
         f"simulator: requests {last.get('requests_total')}, 429s {last.get('rate_limited_total')}, "
@@ -196,6 +288,8 @@ def report(args: argparse.Namespace, dsn: str, t0: float, t1: float, timeline: l
         "429s by 5 s poll (t: cumulative): "
         + ", ".join(f"{p['t']:.0f}:{p['rate_limited_total']}" for p in timeline if p["rate_limited_total"]),
         "completed per 30 s window: " + " ".join(line.replace("|", ":") for line in per_30s.split()),
+        *([] if args.no_redis else shared_budget_lines(scrapes, completed_total(dsn))),
+        "completed per 10 s window: " + " ".join(line.replace("|", ":") for line in per_10s.split()),
         "scan rows by outcome:",
         *("  " + line for line in outcomes.strip().splitlines()),
     ]
@@ -203,6 +297,15 @@ def report(args: argparse.Namespace, dsn: str, t0: float, t1: float, timeline: l
     print(text)
     (args.out / "report.txt").write_text(text + "\n")
     (args.out / "timeline.json").write_text(json.dumps(timeline))
+
+
+def completed_total(dsn: str) -> int:
+    return int(psql(dsn, "SELECT count(*) FROM scans WHERE status = 'completed'"))
+
+
+def tokens_charged(timeline: list[dict[str, Any]]) -> float:
+    """Tokens the simulator charged in all (0 when its stats do not say)."""
+    return float(timeline[-1].get("tokens_charged_total", 0) or 0) if timeline else 0.0
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from app.serving import serve_in_loop
 from app.settings import Settings
 from app.sim.config import SimConfig
 from app.sim.server import RunningSimulator, run_simulator
+from tests.redis_server import RedisServer, delete_prefix, fresh_prefix, shared_redis_url
 
 SCAN_URL = "/api/v1/scan/classify/completion"
 
@@ -76,6 +77,38 @@ async def database_url() -> AsyncIterator[str]:
             await embedded.stop()
         if tmp is not None:
             tmp.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_server_url() -> Iterator[str]:
+    """A real Redis: the machine's, or one this session starts (see tests/redis_server.py)."""
+    url, own = shared_redis_url()
+    try:
+        yield url
+    finally:
+        if own is not None:
+            own.close()
+
+
+@pytest.fixture
+def redis_prefix(redis_server_url: str) -> Iterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards (never a flush)."""
+    prefix = fresh_prefix()
+    try:
+        yield prefix
+    finally:
+        delete_prefix(redis_server_url, prefix)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A private redis-server the test may stop, freeze and restart."""
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 @pytest.fixture(autouse=True)

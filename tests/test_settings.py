@@ -24,6 +24,9 @@ def test_reads_environment_and_casts() -> None:
         ({"RATE_BURST_FRACTION": "1.5"}, "RATE_BURST_FRACTION"),
         ({"DB_POOL_MIN": "30", "DB_POOL_MAX": "5"}, "DB_POOL_MIN"),
         ({"OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}, "OPENAI_API_KEY"),
+        ({"REDIS_URL": "127.0.0.1:6379"}, "REDIS_URL"),
+        ({"REDIS_PREFIX": "two words"}, "REDIS_PREFIX"),
+        ({"REDIS_TIMEOUT_S": "0"}, "REDIS_TIMEOUT_S"),
     ],
 )
 def test_nonsense_is_rejected_naming_the_variable(env: dict[str, str], message: str) -> None:

@@ -2,7 +2,8 @@
 
 Three checks, cheapest first:
 1. per user: at most `per_user` scans in flight for one user (anonymous users are
-   keyed by client address) -> 429 `USER_CONCURRENCY_LIMIT`;
+   keyed by client address) -> 429 `USER_CONCURRENCY_LIMIT`; with REDIS_URL, counted
+   across every replica (app/limits/shared_user_caps.py);
 2. the upstream budget: if a new scan's first call would wait longer than
    `max_budget_wait_s` for the RPM/TPM budget, queueing it is pointless -> 503
    `UPSTREAM_BUDGET_EXHAUSTED`, Retry-After = when the wait would be acceptable again.
@@ -25,14 +26,16 @@ from collections import deque
 from collections.abc import Callable
 
 from app.errors import ServerBusy, UpstreamBudgetExhausted, UserOverLimit
+from app.limits.shared_user_caps import SharedUserCaps
 
 
 class Ticket:
-    __slots__ = ("_admission", "_released", "owed", "user_key")
+    __slots__ = ("_admission", "_released", "global_slot", "owed", "user_key")
 
-    def __init__(self, admission: Admission, user_key: str) -> None:
+    def __init__(self, admission: Admission, user_key: str, global_slot: str | None) -> None:
         self._admission = admission
         self.user_key = user_key
+        self.global_slot = global_slot  # the user's slot in Redis, when caps are shared
         self.owed = admission.calls_per_scan
         self._released = False
 
@@ -48,7 +51,7 @@ class Ticket:
             self._released = True
             self._admission.owed_calls -= self.owed
             self.owed = 0
-            self._admission._release(self.user_key)
+            self._admission._release(self.user_key, self.global_slot)
 
 
 class Admission:
@@ -61,6 +64,7 @@ class Admission:
         max_budget_wait_s: float,
         predicted_budget_wait: Callable[[int], float],
         calls_per_scan: int,
+        user_caps: SharedUserCaps | None = None,
     ) -> None:
         self.calls_per_scan = calls_per_scan  # upstream calls a scan owes when admitted
         self.max_inflight = max_inflight
@@ -68,6 +72,7 @@ class Admission:
         self.wait_s = wait_s
         self.max_budget_wait_s = max_budget_wait_s
         self._predicted_budget_wait = predicted_budget_wait
+        self._user_caps = user_caps  # REDIS_URL: the per-user cap counts every replica's scans
         self.in_flight = 0
         self.owed_calls = 0  # upstream calls admitted scans will still make
         self.per_user_in_flight: dict[str, int] = {}
@@ -90,8 +95,24 @@ class Admission:
             self._release_slot()
             raise UserOverLimit(retry_after_s=self._retry_after_busy())
         self.per_user_in_flight[user_key] = self.per_user_in_flight.get(user_key, 0) + 1
+        global_slot = await self._take_global_slot(user_key)
         self.owed_calls += self.calls_per_scan
-        return Ticket(self, user_key)
+        return Ticket(self, user_key, global_slot)
+
+    async def _take_global_slot(self, user_key: str) -> str | None:
+        """The user's slot across replicas (None: caps are not shared, or Redis failed
+        and this process's count decided). Undoes the local admission if refused."""
+        if self._user_caps is None:
+            return None
+        try:
+            slot = await self._user_caps.take(user_key, self.per_user)
+        except BaseException:
+            self._release(user_key, None)
+            raise
+        if slot is False:
+            self._release(user_key, None)
+            raise UserOverLimit(retry_after_s=self._retry_after_busy())
+        return slot
 
     async def _wait_for_slot(self) -> None:
         """Wait (FIFO, bounded) until a finishing scan hands its slot over.
@@ -124,7 +145,9 @@ class Admission:
                 return
         self.in_flight -= 1
 
-    def _release(self, user_key: str) -> None:
+    def _release(self, user_key: str, global_slot: str | None) -> None:
+        if global_slot is not None and self._user_caps is not None:
+            self._user_caps.give_back(global_slot)
         left = self.per_user_in_flight.get(user_key, 1) - 1
         if left:
             self.per_user_in_flight[user_key] = left

@@ -6,6 +6,7 @@
 //
 // Environment (all optional):
 //   BASE_URL         service URL (default http://127.0.0.1:8000)
+//   BASE_URLS        several replicas' URLs, comma-separated: scans go to each in turn
 //   FORM             json | multipart | mixed (alternate per iteration), default json
 //   IMAGE_SET        big (4032x3024, ~3.5 MB) | small (1280x960, ~0.35 MB) | tiny (320x240),
 //                    default big
@@ -29,6 +30,15 @@ import { Counter, Rate, Trend } from 'k6/metrics';
 
 export const BASE_URL = (__ENV.BASE_URL || 'http://127.0.0.1:8000').replace(/\/+$/, '');
 export const SCAN_URL = `${BASE_URL}/api/v1/scan/classify/completion`;
+// BASE_URLS (comma-separated) spreads the scans over several replicas, turn by turn per
+// iteration, as a round-robin balancer would (k6/budget_bench.py --replicas).
+const SCAN_URLS = (__ENV.BASE_URLS || BASE_URL)
+  .split(',')
+  .map((url) => `${url.trim().replace(/\/+$/, '')}/api/v1/scan/classify/completion`);
+
+function scanUrl() {
+  return SCAN_URLS[(__VU + __ITER) % SCAN_URLS.length];
+}
 export const FORM = (__ENV.FORM || 'json').toLowerCase();
 export const IMAGE_SET = (__ENV.IMAGE_SET || 'big').toLowerCase();
 export const REQ_TIMEOUT = __ENV.REQ_TIMEOUT || '120s';
@@ -203,13 +213,13 @@ function send(form) {
   };
   if (form === 'json') {
     params.headers['Content-Type'] = 'application/json';
-    return http.post(SCAN_URL, payloads.json, params);
+    return http.post(scanUrl(), payloads.json, params);
   }
   const payload = {
     image: http.file(payloads.bytes, image.file, 'image/jpeg'),
     user_input: userInput,
   };
-  return http.post(SCAN_URL, payload, params);
+  return http.post(scanUrl(), payload, params);
 }
 
 function retryAfterSeconds(res) {
@@ -246,6 +256,7 @@ export function scanOnce(defaults = {}) {
 
   if (res.status !== 200) {
     scanHttpErrors.add(1, { status: String(res.status) });
+    if (res.status === 0) sleep(0.2); // a replica that is gone: don't spin on refused connects
     scanSuccess.add(false, { form });
     check(res, { 'scan answered 200': () => false });
     return 'http_error';

@@ -1,0 +1,366 @@
+"""One OpenAI budget for every replica using the same key: `RateBudget` fed by leases.
+
+Each process keeps its `RateBudget` (the FIFO, reserve-then-settle, the predictions
+admission asks for); what changes is where its buckets fill from. Instead of refilling
+with time, a `SharedRateBudget` holds grants leased from one token bucket per model in
+Redis (shared_budget.lua, run atomically by Redis on Redis's clock):
+
+- When the head of the local queue does not fit in what is held, the leaser asks Redis
+  for what it needs plus about `LEASE_S` of this process's recent demand: one round
+  trip per lease, not per call. Redis grants a need at once even when its bucket cannot
+  pay it yet: the bucket goes into debt and the holder waits out the returned seconds
+  before using the grant. Every later need sees the debt and waits longer, so holders
+  are served in the order they asked, in one round trip each (a need further ahead
+  than one lease is not granted; the holder asks again when it is closer).
+- A grant is good for `LEASE_S`. What is still held when the lease ends is returned
+  (and on a clean exit). A process that dies keeps its grant: it was taken from the
+  bucket and may have been spent, so it is never handed out twice; the bucket refills
+  past it within a lease. Holders not heard from for three leases no longer count as
+  live, so the survivors' shares (what they predict and fall back to) grow back.
+- Settling happens locally: a refund stays in what is held (and goes back with the
+  rest), an extra charge is a local debt the next grant covers.
+- A 429 anywhere pauses everyone: the pause is stored with the bucket and published
+  on a channel every process listens to. Reported limits (and the net rate learned
+  from them) and a lower `remaining` travel with the next lease call.
+- Redis unreachable or slow (`REDIS_TIMEOUT_S`): the process falls back to a local
+  bucket at its last known share of the key (1 / the live holders Redis last counted;
+  `COLD_SHARE` if it never reached Redis), logs it once and shows it in
+  `ecoscan_budget_shared`. It keeps probing; when Redis answers it is shared again.
+
+The limits this process reports (`effective_rpm`, predictions for admission) are its
+share of the key's, since that is the rate it can expect to be served at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from importlib import resources
+
+from app.limits.clock import Clock
+from app.limits.rate_budget import RateBudget, Reservation
+from app.limits.rate_headers import UpstreamSnapshot
+from app.redis_link import RedisError, RedisLink
+
+__all__ = ["COLD_SHARE", "LEASE_S", "SharedRateBudget"]
+
+log = logging.getLogger("ecoscan.budget")
+
+# How long a grant may be held before what is left goes back, and how much demand
+# a grant covers. Short: it bounds what a dead holder takes with it.
+LEASE_S = 2.0
+# The share of the key a process takes on its own when it never reached Redis.
+COLD_SHARE = 0.5
+# Demand is measured over at least this long (a burst of takes in a millisecond is not
+# a rate of thousands per second).
+DEMAND_MIN_WINDOW_S = 0.05
+# A reported `remaining` older than this is not sent to Redis: it has refilled since.
+REMAINING_FRESH_S = 1.0
+# While Redis is unreachable, how often to try it again.
+FALLBACK_PROBE_S = 1.0
+# Pause-channel listener: each read is bounded; reconnects back off up to this.
+LISTEN_POLL_S = 1.0
+LISTEN_BACKOFF_MAX_S = 10.0
+
+_SCRIPT = resources.files("app.limits").joinpath("shared_budget.lua").read_text()
+
+
+def holder_name() -> str:
+    """Unique per budget: host and pid say who it is in `redis-cli`, the suffix makes it unique."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class SharedRateBudget(RateBudget):
+    """`RateBudget` whose buckets are filled by leases from Redis (see module doc)."""
+
+    # Read by `_effective` while RateBudget.__init__ runs, before our __init__ sets them.
+    shared = True
+    share = 1.0
+    _key_limits: tuple[int, int] | None = None
+
+    def __init__(
+        self,
+        link: RedisLink,
+        *,
+        rpm: int,
+        tpm: int,
+        burst_fraction: float = 0.1,
+        clock: Clock | None = None,
+        name: str = "default",
+        lease_s: float = LEASE_S,
+        on_call: Callable[[str, float], None] | None = None,
+    ) -> None:
+        super().__init__(rpm=rpm, tpm=tpm, burst_fraction=burst_fraction, clock=clock, name=name)
+        self._link = link
+        self._lease_s = lease_s
+        self._on_call = on_call or (lambda op, seconds: None)
+        self._horizon_s = lease_s  # a need is granted ahead of time only this far
+        self.holder = holder_name()
+        # The bucket, its live holders, and the channel 429 pauses are announced on.
+        self._keys = [link.key("budget", name, part) for part in ("state", "holders", "pause")]
+        self._script = link.script(_SCRIPT)
+        self.share = COLD_SHARE
+        self._req = self._tok = 0.0  # nothing is held before the first grant
+        self._lease_ends = self._clock.now()
+        self._demand_since = self._clock.now()
+        self._taken = (0, 0)  # requests, tokens taken since `_demand_since`
+        self._pause_to_send = 0.0
+        self._remaining_sent: UpstreamSnapshot | None = None
+        self._kick = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ----- life ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._lease_loop(), name=f"budget-leaser-{self.name}"),
+            asyncio.create_task(self._listen_for_pauses(), name=f"budget-pauses-{self.name}"),
+        ]
+
+    async def aclose(self) -> None:
+        """Stop leasing and give back what is held, so the others have it at once."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.shared and (self._req > 0 or self._tok > 0):
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self._lease(need=(0.0, 0.0), want=(0.0, 0.0), op="return")
+
+    # ----- RateBudget's hooks -------------------------------------------------------------
+
+    def _effective(self) -> tuple[int, int]:
+        rpm, tpm = super()._effective()
+        if self._key_limits is not None:
+            rpm, tpm = min(rpm, self._key_limits[0]), min(tpm, self._key_limits[1])
+        return max(1, int(rpm * self.share)), max(1, int(tpm * self.share))
+
+    def _apply_limits(self) -> None:
+        held = (self._req, self._tok)
+        super()._apply_limits()
+        if self.shared:
+            self._req, self._tok = held  # grants are held whole, an oversize one included
+
+    def _refill(self) -> float:
+        if not self.shared:
+            return super()._refill()
+        now = self._clock.now()  # shared: what is held grows only by grants
+        self._last = now
+        return now
+
+    def _head_wait(self, tokens: int) -> float:
+        wait = super()._head_wait(tokens)
+        if self.shared and wait > 0.0:
+            self._kick.set()  # the head needs more than is held: lease it
+            return min(wait, self._lease_s)
+        return wait
+
+    def _take(self, tokens: int) -> Reservation:
+        requests, taken = self._taken
+        self._taken = (requests + 1, taken + tokens)
+        return super()._take(tokens)
+
+    def pause(self, seconds: float) -> None:
+        super().pause(seconds)
+        if self.shared and seconds > 0:
+            self._pause_to_send = max(self._pause_to_send, seconds)
+            self._kick.set()
+
+    # ----- leasing ------------------------------------------------------------------------
+
+    async def _lease_loop(self) -> None:
+        try:  # say hello: count as a live holder, learn the share before the first scan
+            await self._lease(need=(0.0, 0.0), want=(0.0, 0.0), op="heartbeat")
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._fall_back(exc)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._next_due()):
+                    await self._kick.wait()
+            self._kick.clear()
+            if not self.shared:
+                await self._probe()
+                continue
+            try:
+                await self._serve_once()
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._fall_back(exc)
+
+    def _next_due(self) -> float:
+        """Seconds until the loop has work without being kicked: probing Redis, or
+        giving back what is held when the lease ends."""
+        if not self.shared:
+            return FALLBACK_PROBE_S
+        if self._req > 0 or self._tok > 0:
+            return max(0.0, self._lease_ends - self._clock.now())
+        return self._lease_s
+
+    async def _serve_once(self) -> None:
+        need = self._need()
+        if need == (0.0, 0.0):
+            if self._pause_to_send > 0 or self._clock.now() >= self._lease_ends:
+                # What is held goes back; with nothing held this is the heartbeat that
+                # keeps the process counted as live (at least one call per lease).
+                holding = self._req > 0 or self._tok > 0
+                await self._lease(need=need, want=need, op="return" if holding else "heartbeat")
+                self._lease_ends = self._clock.now() + self._lease_s
+            return
+        granted, wait = await self._lease(need=need, want=self._want(need), op="grant")
+        if granted == (0.0, 0.0):
+            # Too far ahead to be granted now: ask again once it is within the horizon.
+            await asyncio.sleep(min(max(wait - self._horizon_s, 0.0), self._lease_s))
+            self._kick.set()
+            return
+        if wait > 0.0:
+            await asyncio.sleep(wait)  # granted for then: the bucket's debt is paid by then
+        self._hold(granted)
+
+    def _need(self) -> tuple[float, float]:
+        """What the head of the queue lacks (a debt left by a settle included)."""
+        if not self._queue:
+            return 0.0, 0.0
+        tokens = self._queue[0].tokens
+        return max(0.0, 1.0 - self._req), max(0.0, tokens - self._tok)
+
+    def _want(self, need: tuple[float, float]) -> tuple[float, float]:
+        """The need plus one lease of this process's recent demand, within its capacity."""
+        now = self._clock.now()
+        elapsed = max(now - self._demand_since, DEMAND_MIN_WINDOW_S)
+        requests, tokens = self._taken
+        self._demand_since, self._taken = now, (0, 0)
+        per_lease = self._lease_s / elapsed
+        want_req = min(need[0] + requests * per_lease, self._cap_req)
+        want_tok = min(need[1] + tokens * per_lease, self._cap_tok)
+        return max(need[0], want_req), max(need[1], want_tok)
+
+    async def _lease(
+        self, *, need: tuple[float, float], want: tuple[float, float], op: str
+    ) -> tuple[tuple[float, float], float]:
+        """One script call: ask for `want` (at least `need`), or with no need hand back
+        what is held. Returns the grant, and the seconds before it may be used (or, when
+        nothing was granted, before asking again is worth it)."""
+        give_back = self.shared and need == (0.0, 0.0)
+        returned = (max(0.0, self._req), max(0.0, self._tok)) if give_back else (0.0, 0.0)
+        pause, self._pause_to_send = self._pause_to_send, 0.0
+        reported = RateBudget._effective(self)  # configured, lowered by reported and learned
+        remaining = self._fresh_remaining()
+        args = [
+            self.holder,
+            self._cfg_rpm,
+            self._cfg_tpm,
+            self._fraction,
+            *need,
+            *want,
+            *returned,
+            pause,
+            reported[0] if reported[0] < self._cfg_rpm else 0,
+            reported[1] if reported[1] < self._cfg_tpm else 0,
+            *remaining,
+            self._lease_s,
+            self._horizon_s,
+        ]
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._link.timeout_s * 2):
+                reply = await self._script(keys=self._keys, args=args)
+        except BaseException:
+            self._pause_to_send = max(self._pause_to_send, pause)
+            raise
+        self._on_call(op, time.perf_counter() - started)
+        granted_req, granted_tok, wait, live, rpm, tpm, paused = (float(x) for x in reply)
+        self._req -= returned[0]
+        self._tok -= returned[1]
+        self._update_key(live, rpm, tpm, paused)
+        return (granted_req, granted_tok), wait
+
+    def _hold(self, granted: tuple[float, float]) -> None:
+        """Add a grant to what is held; the lease runs from now."""
+        if self.shared:  # a grant that arrives after a fall back is void: the bucket is local now
+            self._req += granted[0]
+            self._tok += granted[1]
+            self._lease_ends = self._clock.now() + self._lease_s
+        self._notify_head()
+
+    def _fresh_remaining(self) -> tuple[int, int]:
+        """The latest reported `remaining` (-1: none), sent once and only while fresh."""
+        snap = self.last_upstream
+        if (
+            snap is None
+            or snap is self._remaining_sent
+            or self._clock.now() - snap.observed_at > REMAINING_FRESH_S
+        ):
+            return -1, -1
+        self._remaining_sent = snap
+        requests, tokens = snap.remaining_requests, snap.remaining_tokens
+        return (-1 if requests is None else requests), (-1 if tokens is None else tokens)
+
+    def _update_key(self, live: float, rpm: float, tpm: float, paused_s: float) -> None:
+        self.share = 1.0 / max(1.0, live)
+        self._key_limits = (int(rpm), int(tpm))
+        self._apply_limits()
+        if paused_s > 0:
+            super().pause(paused_s)
+        self._notify_head()
+
+    # ----- fallback -----------------------------------------------------------------------
+
+    def _fall_back(self, exc: BaseException) -> None:
+        self._on_call("error", 0.0)
+        self.shared = False
+        self._last = self._clock.now()  # the local bucket refills from now, not retroactively
+        self._apply_limits()
+        log.warning(
+            "budget %s: Redis failed (%s); budgeting locally at %.0f%% of the key until it answers",
+            self.name,
+            str(exc) or type(exc).__name__,
+            self.share * 100,
+        )
+        self._notify_head()
+
+    async def _probe(self) -> None:
+        try:
+            await self._lease(need=(0.0, 0.0), want=(0.0, 0.0), op="probe")
+        except (RedisError, OSError, TimeoutError):
+            self._on_call("error", 0.0)
+            return
+        # Back to shared. What the local bucket refilled was never granted: drop it,
+        # keep a debt. The probe returned nothing (it only counted what was positive).
+        self.shared = True
+        self._req, self._tok = min(self._req, 0.0), min(self._tok, 0.0)
+        self._apply_limits()
+        log.info("budget %s: Redis answers again; the budget is shared", self.name)
+        self._notify_head()
+
+    # ----- pauses from other processes ----------------------------------------------------
+
+    async def _listen_for_pauses(self) -> None:
+        backoff = LISTEN_POLL_S
+        while True:
+            try:
+                await self._listen_once()
+                backoff = LISTEN_POLL_S
+            except (RedisError, OSError, TimeoutError):
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, LISTEN_BACKOFF_MAX_S)
+
+    async def _listen_once(self) -> None:
+        pubsub = self._link.client.pubsub(ignore_subscribe_messages=True)
+        try:
+            async with asyncio.timeout(self._link.timeout_s * 2):
+                await pubsub.subscribe(self._keys[2])
+            while True:
+                message = await pubsub.get_message(timeout=LISTEN_POLL_S)
+                if message is not None and message.get("type") == "message":
+                    seconds = float(message["data"])
+                    if math.isfinite(seconds) and seconds > 0:
+                        RateBudget.pause(self, seconds)  # not ours to send on again
+        finally:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                async with asyncio.timeout(self._link.timeout_s * 2):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
