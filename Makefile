@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: run test fuzz lint typecheck check sim bench-images clean
+.PHONY: run test fuzz lint typecheck check sim bench-images clean image
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -44,6 +44,14 @@ typecheck: $(VENV)/.installed
 
 sim: $(VENV)/.installed
 	$(BIN)/python -m app.sim --host $(HOST) --port 8100
+
+# The container image (multi-stage Dockerfile). BASE_IMAGE: where Docker Hub is out of
+# reach, `make image BASE_IMAGE="$$(deploy/base-image/build.sh)"` builds one from Debian.
+IMAGE      ?= ecoscan:dev
+BASE_IMAGE ?= python:3.11-slim
+DOCKER     ?= docker
+image:
+	$(DOCKER) build --build-arg BASE_IMAGE=$(BASE_IMAGE) -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
