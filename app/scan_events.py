@@ -158,14 +158,21 @@ class EventLog:
 
     async def follow(self, after_seq: int = 0) -> AsyncIterator[LogEntry]:
         """Entries after `after_seq`, waiting for new ones, until the terminal one."""
+        async for batch in self.follow_batches(after_seq):
+            for entry in batch:
+                yield entry
+
+    async def follow_batches(self, after_seq: int = 0) -> AsyncIterator[list[LogEntry]]:
+        """`follow`, but everything already appended comes at once: a reader that fell
+        behind (or replays) writes it in one send instead of one per event."""
         position = after_seq
         while True:
             if self.closed and position >= len(self.entries):
                 return  # nothing after the terminal event, ever
-            while position < len(self.entries):
-                entry = self.entries[position]
-                position += 1
-                yield entry
-                if entry.event.terminal:
+            if position < len(self.entries):
+                batch = self.entries[position:]
+                position += len(batch)
+                yield batch
+                if batch[-1].event.terminal:
                     return
             await self._appended.wait()

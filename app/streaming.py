@@ -89,7 +89,10 @@ def followed_response(
 
 
 def _response(
-    job_id: str, events: AsyncIterator[ServerSentEvent], ping_s: float, headers: dict[str, str] | None
+    job_id: str,
+    events: AsyncIterator[ServerSentEvent] | AsyncIterator[bytes],
+    ping_s: float,
+    headers: dict[str, str] | None,
 ) -> EventSourceResponse:
     return _ScanStream(
         events,
@@ -104,28 +107,32 @@ def _response(
     )
 
 
-async def _live(
-    run: ScanRun, metrics: Metrics, after: int, *, first_event: bool
-) -> AsyncIterator[ServerSentEvent]:
+async def _live(run: ScanRun, metrics: Metrics, after: int, *, first_event: bool) -> AsyncIterator[bytes]:
     """Follows the run; leaving (the client gone) detaches, which may start the
     scan's disconnect grace (see app/scan_run.py)."""
     metrics.streams_open.inc()
     run.attach()
     job_id = str(run.scan.id)
     try:
-        async for entry in run.log.follow(after):
+        async for batch in run.log.follow_batches(after):
             if first_event:
                 metrics.first_event.observe(time.perf_counter() - run.scan.received_at)
                 first_event = False
-            yield to_sse(job_id, entry)
+            yield encode_batch(job_id, batch)
     finally:
         metrics.streams_open.dec()
         run.detach()
 
 
-async def _stored(job_id: str, log: EventLog, after: int) -> AsyncIterator[ServerSentEvent]:
-    async for entry in log.follow(after):
-        yield to_sse(job_id, entry)
+async def _stored(job_id: str, log: EventLog, after: int) -> AsyncIterator[bytes]:
+    async for batch in log.follow_batches(after):
+        yield encode_batch(job_id, batch)
+
+
+def encode_batch(job_id: str, batch: list[LogEntry]) -> bytes:
+    """Events that are ready together leave in one send (one ASGI message, one write):
+    the same bytes as one send each, at a fraction of the per-send cost."""
+    return b"".join(to_sse(job_id, entry).encode() for entry in batch)
 
 
 async def _mirrored(job_id: str, entries: AsyncIterator[LogEntry]) -> AsyncIterator[ServerSentEvent]:

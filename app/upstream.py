@@ -208,24 +208,20 @@ class Upstream:
         on_text: OnText | None,
         result: ChatResult,
     ) -> None:
-        kwargs: dict[str, Any] = {"model": call.model, "messages": [], "extra_body": _body(call)}
-        usage: _Usage | None
         try:
             if on_text is None:
-                raw = await self._client.chat.completions.with_raw_response.create(**kwargs)
-                self._observe(call, budget, raw.headers, "2xx")
-                usage = _read_completion(raw.parse(), result)
+                response = await self._post(call, stream=False)
+                self._observe(call, budget, response.headers, "2xx")
+                usage = _read_completion(response.content, result)
             else:
-                # The SDK builds the request, authenticates and maps HTTP errors; the chunks
-                # are read as plain JSON. The SDK's per-chunk pydantic construction cost
-                # ~0.3 ms of event-loop time per chunk, about 30% of the loop under load.
-                async with self._client.chat.completions.with_streaming_response.create(
-                    **kwargs, stream=True, stream_options={"include_usage": True}
-                ) as response:
+                response = await self._post(call, stream=True)
+                try:
                     self._observe(call, budget, response.headers, "2xx")
-                    # Leaving this block, normally or by cancellation (client gone), closes
-                    # the HTTP stream: that is how the upstream learns to stop generating.
-                    usage = await _read_chunks(response.iter_bytes(), result, on_text)
+                    usage = await _read_chunks(response.aiter_bytes(), result, on_text)
+                finally:
+                    # Leaving, normally or by cancellation (client gone), closes the HTTP
+                    # stream: that is how the upstream learns to stop generating.
+                    await response.aclose()
         except openai.APIStatusError as exc:
             raise self._status_failure(call, budget, reservation, exc) from None
         except (openai.APIConnectionError, httpx.TransportError) as exc:  # timeouts included
@@ -233,6 +229,20 @@ class Upstream:
         if usage is not None:
             self._settle(call, reservation, usage, result)
         _check_finish(call, result)
+
+    async def _post(self, call: ChatCall, *, stream: bool) -> httpx.Response:
+        """POST /chat/completions through the SDK's own client (its auth, base URL, timeouts
+        and status errors) with the body serialised once by us and the reply read as plain
+        JSON. `create()` costs ~1 ms more CPU per call: a type-walk of the parameters and a
+        pydantic model of the reply (k6/cpu_per_scan.py; README, cost per scan)."""
+        body = _body(call, stream=stream)
+        headers = _STREAM_HEADERS if stream else _JSON_HEADERS
+        return await self._client.post(
+            "/chat/completions",
+            cast_to=httpx.Response,
+            content=json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(),
+            options={"headers": headers},
+        )
 
     def _settle(self, call: ChatCall, reservation: Reservation, usage: _Usage, result: ChatResult) -> None:
         result.prompt_tokens, result.completion_tokens, result.reasoning_tokens, result.cached_tokens = usage
@@ -295,9 +305,10 @@ class Upstream:
 
     def _observe(self, call: ChatCall, budget: RateBudget, headers: httpx.Headers, status: str) -> None:
         self._count(call, status)
-        budget.observe_headers(headers)
+        limits = _ratelimit_headers(headers)
+        budget.observe_headers(limits)
         for resource in ("requests", "tokens"):
-            raw = headers.get(f"x-ratelimit-remaining-{resource}")
+            raw = limits.get(f"x-ratelimit-remaining-{resource}")
             if raw is not None and raw.isdigit():
                 self._metrics.ratelimit_remaining.labels(call.model, resource).set(int(raw))
 
@@ -308,12 +319,19 @@ class Upstream:
 _Usage = tuple[int, int, int, int]  # prompt, completion (reasoning included), reasoning, cached
 
 
-def _body(call: ChatCall) -> dict[str, Any]:
-    """The request body as wire-format JSON, sent through `extra_body`, which the SDK merges
-    over its own fields as is. Its per-call type-walk of messages and schemas (TypedDict
-    introspection per message, per enum list) cost ~1.4 ms of event-loop time per call.
-    `tests/test_conformance.py` checks these bodies against the SDK's own types."""
-    body: dict[str, Any] = {"messages": call.messages, **call.shape.params}
+# The SDK sends what `client.post` gets as is; "stream" makes it hand back the response
+# unread (what its own `with_streaming_response` does), for the chunks to be read as they come.
+_JSON_HEADERS = {"Content-Type": "application/json"}
+_STREAM_HEADERS = {**_JSON_HEADERS, "X-Stainless-Raw-Response": "stream"}
+
+
+def _body(call: ChatCall, *, stream: bool) -> dict[str, Any]:
+    """The request body, as wire-format JSON. tests/test_real_models.py checks the bodies
+    the simulator received against the SDK's own `CompletionCreateParams` types."""
+    body: dict[str, Any] = {"model": call.model, "messages": call.messages, **call.shape.params}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
     if call.response_format is not None:
         body["response_format"] = call.response_format
     if call.safety_identifier is not None:
@@ -321,20 +339,21 @@ def _body(call: ChatCall) -> dict[str, Any]:
     return body
 
 
-def _read_completion(completion: Any, result: ChatResult) -> _Usage | None:
-    choice = completion.choices[0] if completion.choices else None
-    if choice is not None:
-        result.text = choice.message.content or ""
-        result.refusal = choice.message.refusal or ""
-        result.finish_reason = choice.finish_reason
-    u = completion.usage
-    if u is None:
-        return None
-    details = u.completion_tokens_details
-    reasoning = (details.reasoning_tokens or 0) if details is not None else 0
-    prompt_details = u.prompt_tokens_details
-    cached = (prompt_details.cached_tokens or 0) if prompt_details is not None else 0
-    return u.prompt_tokens, u.completion_tokens, reasoning, cached
+def _read_completion(content: bytes, result: ChatResult) -> _Usage | None:
+    """A whole (not streamed) reply: its first choice and its usage."""
+    try:
+        completion = json.loads(content)
+        choices = completion.get("choices") or ()
+        choice = choices[0] if choices else None
+    except (ValueError, AttributeError):
+        raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_body") from None
+    if isinstance(choice, dict):
+        message = choice.get("message") or {}
+        result.text = message.get("content") or ""
+        result.refusal = message.get("refusal") or ""
+        result.finish_reason = choice.get("finish_reason")
+    usage = completion.get("usage")
+    return _usage_of(usage) if isinstance(usage, dict) else None
 
 
 def _usage_of(u: dict[str, Any]) -> _Usage:
@@ -389,6 +408,16 @@ async def _read_chunks(stream: AsyncIterator[bytes], result: ChatResult, on_text
                     result.text = text
                     await on_text(text)
     raise _Failed(UpstreamError(), retry=True, reason="truncated")
+
+
+def _ratelimit_headers(headers: httpx.Headers) -> dict[str, str]:
+    """The response's `x-ratelimit-*` headers by lower-case name, read once from the raw
+    list: httpx's own lookups decode every header of the response on every call."""
+    return {
+        key.decode("latin-1").lower(): value.decode("latin-1")
+        for key, value in headers.raw
+        if key[:12].lower() == b"x-ratelimit-"
+    }
 
 
 def _check_finish(call: ChatCall, result: ChatResult) -> None:

@@ -63,7 +63,7 @@ TILES_GPT_4O = ImageBilling("tiles", base_tokens=85, tile_tokens=170)
 
 def estimate_text_tokens(text: str) -> int:
     """ceil(ascii_chars / 4) + non_ascii_chars: high for English, ~1 per Hangul syllable."""
-    ascii_chars = sum(1 for ch in text if ord(ch) < 128)
+    ascii_chars = len(text.encode("ascii", "ignore"))  # counted in C: prompts run to KBs
     return -(-ascii_chars // 4) + (len(text) - ascii_chars)
 
 
