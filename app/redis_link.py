@@ -34,14 +34,17 @@ class RedisLink:
         self.url = url
         self.prefix = prefix
         self.timeout_s = timeout_s
-        self.client: redis.Redis = redis.Redis.from_url(
+        # A full pool makes a caller wait (at most `timeout_s`) for a connection rather than
+        # fail at once: a burst of admissions is not a Redis outage.
+        pool = redis.BlockingConnectionPool.from_url(
             url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            max_connections=MAX_CONNECTIONS,
             health_check_interval=30,
-            decode_responses=False,
         )
+        self.client: redis.Redis = redis.Redis.from_pool(pool)
 
     def key(self, *parts: str) -> str:
         """`<prefix>:<part>:<part>...`: every key this process touches is named here."""

@@ -17,7 +17,17 @@ from app.limits.shared_budget import COLD_SHARE, SharedRateBudget
 from app.redis_link import RedisLink
 from tests.redis_server import RedisServer
 
-LEASE_S = 0.2  # short leases: dead holders leave the queue within 0.6 s
+LEASE_S = 0.2  # short leases: dead holders stop counting within 0.6 s
+
+
+class Calls(list[str]):
+    """The lease calls every budget of a test made, by op."""
+
+    def append_op(self, op: str, seconds: float) -> None:
+        self.append(op)
+
+
+calls = Calls()
 
 
 @asynccontextmanager
@@ -26,7 +36,9 @@ async def budgets(
 ) -> AsyncIterator[list[SharedRateBudget]]:
     link = RedisLink(url, prefix=prefix, timeout_s=0.5)
     made = [
-        SharedRateBudget(link, rpm=rpm, tpm=tpm, name="m", lease_s=kwargs.get("lease_s", LEASE_S))
+        SharedRateBudget(
+            link, rpm=rpm, tpm=tpm, name="m", lease_s=kwargs.get("lease_s", LEASE_S), on_call=calls.append_op
+        )
         for _ in range(count)
     ]
     for budget in made:
@@ -85,11 +97,12 @@ async def test_big_requests_are_not_starved_by_another_replicas_small_ones(
     even while another keeps asking for small ones."""
     async with budgets(redis_server_url, redis_prefix, 2, rpm=6000, tpm=60_000) as (big, small):
         small_times: list[float] = []
-        smalls = asyncio.create_task(admitted_within(small, 8.0, 50, small_times))
+        smalls = asyncio.create_task(admitted_within(small, 25.0, 50, small_times))
         await eventually(lambda: len(small_times) > 5)
         # 6,000 tokens is the whole bucket (10 % of 60k): it needs a full refill (6 s at
-        # 1k/s) that the small ones must not eat first.
-        reservation = await asyncio.wait_for(big.reserve(6000), timeout=30)
+        # 1k/s) that the small ones must not eat first. It gets it while they still run.
+        reservation = await asyncio.wait_for(big.reserve(6000), timeout=20)
+        assert not smalls.done()
         reservation.settle(6000)
         smalls.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -130,19 +143,31 @@ async def test_a_grant_ahead_of_time_waits_out_the_debt(redis_server_url: str, r
     holder uses it only once the bucket's debt would be paid."""
     async with budgets(redis_server_url, redis_prefix, 1, rpm=600, tpm=6000) as (budget,):
         (await budget.reserve(600)).settle(600)  # the whole token bucket (10 % of 6k)
+        calls.clear()
         started = time.monotonic()
         reservation = await asyncio.wait_for(budget.reserve(50), timeout=10)
         waited = time.monotonic() - started
         reservation.settle(50)
     assert waited >= 50 / 100 - 0.05  # 50 tokens at 100 tokens/s: never earlier (a lower bound)
+    assert calls.count("grant") == 1  # granted ahead at the first ask, not asked again
 
 
 async def test_a_429_on_one_replica_pauses_the_other(redis_server_url: str, redis_prefix: str) -> None:
-    async with budgets(redis_server_url, redis_prefix, 2, rpm=6000) as (seeing, other):
-        (await other.reserve(1)).settle(1)  # both are live holders, listening
+    """Announced on the pause channel: with 30 s leases no lease call would carry it."""
+    async with budgets(redis_server_url, redis_prefix, 2, rpm=6000, lease_s=30.0) as (seeing, other):
+        (await other.reserve(1)).settle(1)
         (await seeing.reserve(1)).settle(1)
+        link = RedisLink(redis_server_url, prefix=redis_prefix, timeout_s=0.5)
+        channel = link.key("budget", "m", "pause")
+        try:
+            for _ in range(500):  # both listeners subscribed (within 10 s)
+                if (await link.client.pubsub_numsub(channel))[0][1] >= 2:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await link.close()
         seeing.pause(5.0)
-        assert await eventually(lambda: other.paused_until > time.monotonic() + 3.0)
+        assert await eventually(lambda: other.paused_until > time.monotonic() + 3.0, timeout_s=2.0)
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(1.0):
                 await other.reserve(1)

@@ -2,14 +2,16 @@
 -- Atomic by construction (Redis runs a script alone); its clock is Redis's own TIME, so
 -- replicas' clocks never have to agree. See shared_budget.py for the design.
 --
--- KEYS: 1 state hash, 2 holders hash (holder -> its last call), 3 pause channel
+-- KEYS: 1 state hash, 2 holders hash (holder -> its last call), 3 active hash (holder -> its
+--       last call with a need), 4 pause channel
 -- ARGV: 1 holder, 2 rpm, 3 tpm, 4 burst fraction, 5 need requests, 6 need tokens,
 --       7 want requests, 8 want tokens, 9 returned requests, 10 returned tokens,
 --       11 pause seconds, 12 observed rpm, 13 observed tpm, 14 remaining requests,
---       15 remaining tokens, 16 lease seconds, 17 horizon seconds
+--       15 remaining tokens, 16 lease seconds, 17 horizon seconds, 18 leaving (1: the holder
+--       exits and no longer counts)
 -- Returns (as strings): granted requests, granted tokens, seconds until the grant may be
 -- used (or, when nothing was granted, until asking again is worth it), live holders, the
--- key's rpm, tpm, seconds of pause left.
+-- key's rpm, tpm, seconds of pause left, holders with demand (active).
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -21,7 +23,7 @@ local ret_req, ret_tok = tonumber(ARGV[9]), tonumber(ARGV[10])
 local pause_s = tonumber(ARGV[11])
 local obs_rpm, obs_tpm = tonumber(ARGV[12]), tonumber(ARGV[13])
 local rem_req, rem_tok = tonumber(ARGV[14]), tonumber(ARGV[15])
-local lease_s, horizon_s = tonumber(ARGV[16]), tonumber(ARGV[17])
+local lease_s, horizon_s, leaving = tonumber(ARGV[16]), tonumber(ARGV[17]), ARGV[18] == '1' 
 local OBSERVED_FOR_S = 60 -- a reported limit holds this long unless reported again
 local KEEP_MS = 600000 -- idle state disappears after ten minutes
 
@@ -51,20 +53,31 @@ if rem_tok >= 0 and rem_tok < tok then tok = rem_tok end
 local paused = tonumber(s[4]) or 0
 if pause_s > 0 and now + pause_s > paused then
   paused = now + pause_s
-  redis.call('PUBLISH', KEYS[3], tostring(pause_s))
+  redis.call('PUBLISH', KEYS[4], tostring(pause_s))
 end
 
--- Holders heard from within three leases are alive: the count sizes each one's share.
-redis.call('HSET', KEYS[2], holder, tostring(now))
-local live = 0
-local seen = redis.call('HGETALL', KEYS[2])
-for i = 1, #seen, 2 do
-  if now - tonumber(seen[i + 1]) > 3 * lease_s then
-    redis.call('HDEL', KEYS[2], seen[i])
-  else
-    live = live + 1
-  end
+-- Holders heard from within three leases are alive, those that asked with a need in that
+-- time active: the counts size each one's share (of the fallback, of the predictions).
+local needs = need_req > 0 or need_tok > 0
+if leaving then
+  redis.call('HDEL', KEYS[2], holder)
+  redis.call('HDEL', KEYS[3], holder)
+else
+  redis.call('HSET', KEYS[2], holder, tostring(now))
+  if needs then redis.call('HSET', KEYS[3], holder, tostring(now)) end
 end
+local function count_recent(key)
+  local n, seen = 0, redis.call('HGETALL', key)
+  for i = 1, #seen, 2 do
+    if now - tonumber(seen[i + 1]) > 3 * lease_s then
+      redis.call('HDEL', key, seen[i])
+    else
+      n = n + 1
+    end
+  end
+  return n
+end
+local live, active = count_recent(KEYS[2]), count_recent(KEYS[3])
 
 -- Seconds until the bucket holds the need (an oversize need: a full bucket, then it
 -- takes all it asked for, leaving a debt), and not before a pause ends.
@@ -79,12 +92,15 @@ end
 -- A need is granted at once, even when the bucket cannot pay it yet: the bucket goes
 -- into debt and the holder waits out the returned seconds before using the grant. Each
 -- later need sees the debt and waits longer, so holders are served in the order they
--- asked (a big need is never starved by small ones) in one round trip each. A need that
--- would wait longer than the holder's horizon is not granted: it asks again later.
+-- asked (a big need is never starved by small ones) in one round trip each. A need is
+-- granted when the debt ahead of it is within the horizon (its own refill time does not
+-- count against it: a need bigger than a horizon's refill would never be granted);
+-- otherwise it asks again later.
 local granted_req, granted_tok, wait = 0, 0, 0
-if need_req > 0 or need_tok > 0 then
+if needs then
   wait = fit_time(need_tok, need_req)
-  if wait <= horizon_s then
+  local own = math.max(need_req / rate_req, math.min(need_tok, cap_tok) / rate_tok)
+  if wait <= horizon_s + own then
     local extra = (wait <= 1e-9)
     granted_req = extra and math.max(need_req, math.min(want_req, req)) or need_req
     granted_tok = extra and math.max(need_tok, math.min(want_tok, tok)) or need_tok
@@ -99,6 +115,6 @@ tok = tok - granted_tok
 redis.call('HSET', KEYS[1], 'req', tostring(req), 'tok', tostring(tok), 'ts', tostring(now),
   'paused', tostring(paused), 'obs_rpm', tostring(o_rpm), 'obs_tpm', tostring(o_tpm),
   'obs_until', tostring(o_until))
-for i = 1, 2 do redis.call('PEXPIRE', KEYS[i], KEEP_MS) end
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], KEEP_MS) end
 return {tostring(granted_req), tostring(granted_tok), tostring(wait), tostring(live),
-  tostring(rpm), tostring(tpm), tostring(math.max(0, paused - now))}
+  tostring(rpm), tostring(tpm), tostring(math.max(0, paused - now)), tostring(active)}

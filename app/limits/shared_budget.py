@@ -10,15 +10,18 @@ Redis (shared_budget.lua, run atomically by Redis on Redis's clock):
   trip per lease, not per call. Redis grants a need at once even when its bucket cannot
   pay it yet: the bucket goes into debt and the holder waits out the returned seconds
   before using the grant. Every later need sees the debt and waits longer, so holders
-  are served in the order they asked, in one round trip each (a need further ahead
-  than one lease is not granted; the holder asks again when it is closer).
+  are served in the order they asked, in one round trip each (a need with more than
+  one lease of debt ahead of it, beyond its own refill time, is not granted; the holder
+  asks again when it is closer). A grant for later is held from its hour on
+  (`_grant_at`), so the leaser never sleeps and a 429 to announce goes out at once.
 - A grant is good for `LEASE_S`. What is still held when the lease ends is returned
   (and on a clean exit). A process that dies keeps its grant: it was taken from the
   bucket and may have been spent, so it is never handed out twice; the bucket refills
   past it within a lease. Holders not heard from for three leases no longer count as
-  live, so the survivors' shares (what they predict and fall back to) grow back.
+  live (a clean exit stops counting at once), so the survivors' shares grow back.
 - Settling happens locally: a refund stays in what is held (and goes back with the
-  rest), an extra charge is a local debt the next grant covers.
+  rest), an extra charge is a local debt the next grant covers. A reservation taken
+  before a fall back (or a recovery) refunds nothing: its bucket is gone (`epoch`).
 - A 429 anywhere pauses everyone: the pause is stored with the bucket and published
   on a channel every process listens to. Reported limits (and the net rate learned
   from them) and a lower `remaining` travel with the next lease call.
@@ -28,7 +31,9 @@ Redis (shared_budget.lua, run atomically by Redis on Redis's clock):
   `ecoscan_budget_shared`. It keeps probing; when Redis answers it is shared again.
 
 The limits this process reports (`effective_rpm`, predictions for admission) are its
-share of the key's, since that is the rate it can expect to be served at.
+share of the key's: 1 / the holders that asked for budget lately (`demand_share`: an
+idle replica does not halve a busy one's predictions), and while Redis is away 1 / the
+live holders (`fallback_share`: conservative).
 """
 
 from __future__ import annotations
@@ -72,6 +77,21 @@ LISTEN_BACKOFF_MAX_S = 10.0
 _SCRIPT = resources.files("app.limits").joinpath("shared_budget.lua").read_text()
 
 
+class _EpochReservation(Reservation):
+    """A reservation that remembers the budget's epoch it was taken in."""
+
+    __slots__ = ("epoch",)
+
+    def __init__(self, budget: SharedRateBudget, tokens: int, epoch: int) -> None:
+        super().__init__(budget, tokens)
+        self.epoch = epoch
+
+    def settle(self, actual_tokens: int | None) -> bool:
+        budget = self._budget
+        assert isinstance(budget, SharedRateBudget)
+        return super().settle(budget._apply_epoch_refund(self, actual_tokens))
+
+
 def holder_name() -> str:
     """Unique per budget: host and pid say who it is in `redis-cli`, the suffix makes it unique."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -82,7 +102,8 @@ class SharedRateBudget(RateBudget):
 
     # Read by `_effective` while RateBudget.__init__ runs, before our __init__ sets them.
     shared = True
-    share = 1.0
+    demand_share = 1.0  # 1 / the holders with demand: the rate predictions expect
+    fallback_share = 1.0  # 1 / the live holders: the rate to fall back to without Redis
     _key_limits: tuple[int, int] | None = None
 
     def __init__(
@@ -103,11 +124,21 @@ class SharedRateBudget(RateBudget):
         self._on_call = on_call or (lambda op, seconds: None)
         self._horizon_s = lease_s  # a need is granted ahead of time only this far
         self.holder = holder_name()
-        # The bucket, its live holders, and the channel 429 pauses are announced on.
-        self._keys = [link.key("budget", name, part) for part in ("state", "holders", "pause")]
+        # The bucket, its live holders, those with demand, the channel announcing 429 pauses.
+        parts = ("state", "holders", "active", "pause")
+        self._keys = [link.key("budget", name, part) for part in parts]
         self._script = link.script(_SCRIPT)
-        self.share = COLD_SHARE
+        self.demand_share = self.fallback_share = COLD_SHARE
         self._req = self._tok = 0.0  # nothing is held before the first grant
+        # Granted ahead of time, usable at their hour (`_mature`): part of what the head
+        # has, so it is not asked for twice. Void on a fall back.
+        self._pending = (0.0, 0.0)
+        self._maturing: set[asyncio.TimerHandle] = set()
+        self._retry_at = 0.0  # a need refused as too far ahead asks again from then
+        self._last_need_at = -math.inf
+        # Reservations taken in one epoch (shared, fallback, shared again...) refund only
+        # into the same one: a local bucket's refund is not Redis's to receive.
+        self.epoch = 0
         self._lease_ends = self._clock.now()
         self._demand_since = self._clock.now()
         self._taken = (0, 0)  # requests, tokens taken since `_demand_since`
@@ -125,13 +156,20 @@ class SharedRateBudget(RateBudget):
         ]
 
     async def aclose(self) -> None:
-        """Stop leasing and give back what is held, so the others have it at once."""
+        """Stop leasing, give back what is held, and stop counting as a holder: the
+        others have both at once."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.shared and (self._req > 0 or self._tok > 0):
+        self._void_pending()
+        if self.shared:
             with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await self._lease(need=(0.0, 0.0), want=(0.0, 0.0), op="return")
+                await self._lease(need=(0.0, 0.0), want=(0.0, 0.0), op="return", leaving=True)
+
+    @property
+    def share(self) -> float:
+        """The share of the key this process budgets for now."""
+        return self.demand_share if self.shared else self.fallback_share
 
     # ----- RateBudget's hooks -------------------------------------------------------------
 
@@ -139,7 +177,8 @@ class SharedRateBudget(RateBudget):
         rpm, tpm = super()._effective()
         if self._key_limits is not None:
             rpm, tpm = min(rpm, self._key_limits[0]), min(tpm, self._key_limits[1])
-        return max(1, int(rpm * self.share)), max(1, int(tpm * self.share))
+        share = self.share
+        return max(1, int(rpm * share)), max(1, int(tpm * share))
 
     def _apply_limits(self) -> None:
         held = (self._req, self._tok)
@@ -164,7 +203,26 @@ class SharedRateBudget(RateBudget):
     def _take(self, tokens: int) -> Reservation:
         requests, taken = self._taken
         self._taken = (requests + 1, taken + tokens)
-        return super()._take(tokens)
+        self._req -= 1.0
+        self._tok -= tokens
+        return _EpochReservation(self, tokens, self.epoch)
+
+    def _credit(self, requests: float, tokens: float) -> None:
+        if not self.shared:
+            super()._credit(requests, tokens)
+            return
+        # Shared: what is held is not capped here (a grant may exceed this process's
+        # share of the burst); Redis caps what comes back to it.
+        self._req += requests
+        self._tok += tokens
+        self._notify_head()
+
+    def _apply_epoch_refund(self, reservation: _EpochReservation, actual_tokens: int | None) -> int | None:
+        """A reservation of an earlier epoch is settled as spent in full, a charge beyond
+        it still applies: its refund belonged to a bucket that is gone."""
+        if reservation.epoch == self.epoch:
+            return actual_tokens
+        return max(reservation.tokens, actual_tokens or 0)
 
     def pause(self, seconds: float) -> None:
         super().pause(seconds)
@@ -184,12 +242,12 @@ class SharedRateBudget(RateBudget):
                 async with asyncio.timeout(self._next_due()):
                     await self._kick.wait()
             self._kick.clear()
-            if not self.shared:
-                await self._probe()
-                continue
             try:
-                await self._serve_once()
+                await (self._serve_once() if self.shared else self._probe())
             except (RedisError, OSError, TimeoutError) as exc:
+                self._fall_back(exc)
+            except Exception as exc:  # a bug must not leave every reserve to its deadline
+                log.exception("budget %s: leasing failed", self.name)
                 self._fall_back(exc)
 
     def _next_due(self) -> float:
@@ -197,36 +255,63 @@ class SharedRateBudget(RateBudget):
         giving back what is held when the lease ends."""
         if not self.shared:
             return FALLBACK_PROBE_S
+        now = self._clock.now()
+        if self._need() != (0.0, 0.0) and self._retry_at > now:
+            return self._retry_at - now
         if self._req > 0 or self._tok > 0:
-            return max(0.0, self._lease_ends - self._clock.now())
+            return max(0.0, self._lease_ends - now)
         return self._lease_s
 
     async def _serve_once(self) -> None:
-        need = self._need()
-        if need == (0.0, 0.0):
-            if self._pause_to_send > 0 or self._clock.now() >= self._lease_ends:
-                # What is held goes back; with nothing held this is the heartbeat that
-                # keeps the process counted as live (at least one call per lease).
-                holding = self._req > 0 or self._tok > 0
-                await self._lease(need=need, want=need, op="return" if holding else "heartbeat")
-                self._lease_ends = self._clock.now() + self._lease_s
+        """One step of the leaser; it never sleeps here, so a 429 to announce is sent at
+        once whatever else is pending."""
+        nothing = (0.0, 0.0)
+        if self._pause_to_send > 0:
+            await self._lease(need=nothing, want=nothing, op="pause", give_back=False)
+        need, now = self._need(), self._clock.now()
+        if need != nothing and now >= self._retry_at:
+            self._last_need_at = now
+            granted, wait = await self._lease(need=need, want=self._want(need), op="grant")
+            if granted == nothing:  # too far ahead to be granted: ask again when closer
+                self._retry_at = now + min(max(wait - self._horizon_s, 0.0), self._lease_s)
+            else:
+                self._grant_at(granted, wait)
+        elif need == nothing and now >= self._lease_ends:
+            # What is held goes back; with nothing held this is the heartbeat that keeps
+            # the process counted as live (at least one call per lease).
+            holding = self._req > 0 or self._tok > 0
+            await self._lease(need=need, want=need, op="return" if holding else "heartbeat")
+            self._lease_ends = self._clock.now() + self._lease_s
+
+    def _grant_at(self, granted: tuple[float, float], wait: float) -> None:
+        """Hold a grant now, or from when the bucket's debt ahead of it is paid."""
+        if wait <= 0.0:
+            self._hold(granted)
             return
-        granted, wait = await self._lease(need=need, want=self._want(need), op="grant")
-        if granted == (0.0, 0.0):
-            # Too far ahead to be granted now: ask again once it is within the horizon.
-            await asyncio.sleep(min(max(wait - self._horizon_s, 0.0), self._lease_s))
-            self._kick.set()
-            return
-        if wait > 0.0:
-            await asyncio.sleep(wait)  # granted for then: the bucket's debt is paid by then
+        self._pending = (self._pending[0] + granted[0], self._pending[1] + granted[1])
+        handle = asyncio.get_running_loop().call_later(wait, self._mature, granted)
+        self._maturing.add(handle)
+
+    def _mature(self, granted: tuple[float, float]) -> None:
+        self._maturing = {h for h in self._maturing if not h.cancelled() and h.when() > 0}
+        self._pending = (self._pending[0] - granted[0], self._pending[1] - granted[1])
         self._hold(granted)
+        self._kick.set()  # the head may need more still
+
+    def _void_pending(self) -> None:
+        for handle in self._maturing:
+            handle.cancel()
+        self._maturing.clear()
+        self._pending = (0.0, 0.0)
 
     def _need(self) -> tuple[float, float]:
-        """What the head of the queue lacks (a debt left by a settle included)."""
+        """What the head of the queue lacks beyond what is held and granted ahead (a
+        debt left by a settle included)."""
         if not self._queue:
             return 0.0, 0.0
         tokens = self._queue[0].tokens
-        return max(0.0, 1.0 - self._req), max(0.0, tokens - self._tok)
+        requests_had, tokens_had = self._req + self._pending[0], self._tok + self._pending[1]
+        return max(0.0, 1.0 - requests_had), max(0.0, tokens - tokens_had)
 
     def _want(self, need: tuple[float, float]) -> tuple[float, float]:
         """The need plus one lease of this process's recent demand, within its capacity."""
@@ -240,13 +325,23 @@ class SharedRateBudget(RateBudget):
         return max(need[0], want_req), max(need[1], want_tok)
 
     async def _lease(
-        self, *, need: tuple[float, float], want: tuple[float, float], op: str
+        self,
+        *,
+        need: tuple[float, float],
+        want: tuple[float, float],
+        op: str,
+        give_back: bool = True,
+        leaving: bool = False,
     ) -> tuple[tuple[float, float], float]:
         """One script call: ask for `want` (at least `need`), or with no need hand back
         what is held. Returns the grant, and the seconds before it may be used (or, when
         nothing was granted, before asking again is worth it)."""
-        give_back = self.shared and need == (0.0, 0.0)
+        give_back = give_back and self.shared and need == (0.0, 0.0)
         returned = (max(0.0, self._req), max(0.0, self._tok)) if give_back else (0.0, 0.0)
+        # Out of what is held before the call: a reserve during the round trip must not
+        # spend what is on its way back. Restored if the call fails.
+        self._req -= returned[0]
+        self._tok -= returned[1]
         pause, self._pause_to_send = self._pause_to_send, 0.0
         reported = RateBudget._effective(self)  # configured, lowered by reported and learned
         remaining = self._fresh_remaining()
@@ -264,6 +359,7 @@ class SharedRateBudget(RateBudget):
             *remaining,
             self._lease_s,
             self._horizon_s,
+            1 if leaving else 0,
         ]
         started = time.perf_counter()
         try:
@@ -271,12 +367,12 @@ class SharedRateBudget(RateBudget):
                 reply = await self._script(keys=self._keys, args=args)
         except BaseException:
             self._pause_to_send = max(self._pause_to_send, pause)
+            self._req += returned[0]
+            self._tok += returned[1]
             raise
         self._on_call(op, time.perf_counter() - started)
-        granted_req, granted_tok, wait, live, rpm, tpm, paused = (float(x) for x in reply)
-        self._req -= returned[0]
-        self._tok -= returned[1]
-        self._update_key(live, rpm, tpm, paused)
+        granted_req, granted_tok, wait, live, rpm, tpm, paused, active = (float(x) for x in reply)
+        self._update_key(live, active, rpm, tpm, paused)
         return (granted_req, granted_tok), wait
 
     def _hold(self, granted: tuple[float, float]) -> None:
@@ -300,8 +396,12 @@ class SharedRateBudget(RateBudget):
         requests, tokens = snap.remaining_requests, snap.remaining_tokens
         return (-1 if requests is None else requests), (-1 if tokens is None else tokens)
 
-    def _update_key(self, live: float, rpm: float, tpm: float, paused_s: float) -> None:
-        self.share = 1.0 / max(1.0, live)
+    def _update_key(self, live: float, active: float, rpm: float, tpm: float, paused_s: float) -> None:
+        self.fallback_share = 1.0 / max(1.0, live)
+        # Predictions: the rate among the holders that wanted budget lately; Redis counts
+        # this one among them only once it asked with a need (so add it until then).
+        counted = self._clock.now() - self._last_need_at <= 3 * self._lease_s
+        self.demand_share = 1.0 / max(1.0, active if counted else active + 1.0)
         self._key_limits = (int(rpm), int(tpm))
         self._apply_limits()
         if paused_s > 0:
@@ -312,7 +412,9 @@ class SharedRateBudget(RateBudget):
 
     def _fall_back(self, exc: BaseException) -> None:
         self._on_call("error", 0.0)
+        self._void_pending()
         self.shared = False
+        self.epoch += 1
         self._last = self._clock.now()  # the local bucket refills from now, not retroactively
         self._apply_limits()
         log.warning(
@@ -332,6 +434,7 @@ class SharedRateBudget(RateBudget):
         # Back to shared. What the local bucket refilled was never granted: drop it,
         # keep a debt. The probe returned nothing (it only counted what was positive).
         self.shared = True
+        self.epoch += 1
         self._req, self._tok = min(self._req, 0.0), min(self._tok, 0.0)
         self._apply_limits()
         log.info("budget %s: Redis answers again; the budget is shared", self.name)
@@ -346,14 +449,17 @@ class SharedRateBudget(RateBudget):
                 await self._listen_once()
                 backoff = LISTEN_POLL_S
             except (RedisError, OSError, TimeoutError):
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, LISTEN_BACKOFF_MAX_S)
+                pass
+            except Exception:  # a bug must not end the listening for good
+                log.exception("budget %s: listening for pauses failed", self.name)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, LISTEN_BACKOFF_MAX_S)
 
     async def _listen_once(self) -> None:
         pubsub = self._link.client.pubsub(ignore_subscribe_messages=True)
         try:
             async with asyncio.timeout(self._link.timeout_s * 2):
-                await pubsub.subscribe(self._keys[2])
+                await pubsub.subscribe(self._keys[3])
             while True:
                 message = await pubsub.get_message(timeout=LISTEN_POLL_S)
                 if message is not None and message.get("type") == "message":

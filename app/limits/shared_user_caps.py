@@ -75,8 +75,14 @@ class SharedUserCaps:
         self._renewer = asyncio.create_task(self._renew_loop(), name="user-caps-renew")
 
     async def aclose(self) -> None:
+        """Free every slot this process holds (a rolling deploy leaves none behind), within
+        a bounded wait; what is left expires on its own."""
         if self._renewer is not None:
             self._renewer.cancel()
+        for member in list(self._held):
+            self.give_back(member)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self._link.timeout_s * 2)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, *(t for t in [self._renewer] if t), return_exceptions=True)
@@ -87,16 +93,21 @@ class SharedUserCaps:
         if self._failing and time.monotonic() < self._skip_until:
             return None
         member = f"{self._instance}:{next(self._serial)}"
+        self._held[member] = user_key  # before the call: a slot taken by a lost reply is freed
         try:
             async with asyncio.timeout(self._link.timeout_s * 2):
                 taken = await self._take_script(keys=[self._key(user_key)], args=[member, cap, SLOT_TTL_S])
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)
+            self.give_back(member)
             return None
+        except BaseException:  # cancelled: the slot may have been taken all the same
+            self.give_back(member)
+            raise
         self._recovered()
         if not taken:
+            self._held.pop(member, None)
             return False
-        self._held[member] = user_key
         return member
 
     def give_back(self, member: str) -> None:
