@@ -276,7 +276,7 @@ class SharedRateBudget(RateBudget):
                 self._retry_at = now + min(max(wait - self._horizon_s, 0.0), self._lease_s)
             else:
                 self._grant_at(granted, wait)
-        elif need == nothing and now >= self._lease_ends:
+        elif need == nothing and now >= self._lease_ends and self._pending == nothing:
             # What is held goes back; with nothing held this is the heartbeat that keeps
             # the process counted as live (at least one call per lease).
             holding = self._req > 0 or self._tok > 0
@@ -293,7 +293,8 @@ class SharedRateBudget(RateBudget):
         self._maturing.add(handle)
 
     def _mature(self, granted: tuple[float, float]) -> None:
-        self._maturing = {h for h in self._maturing if not h.cancelled() and h.when() > 0}
+        now = asyncio.get_running_loop().time()
+        self._maturing = {h for h in self._maturing if h.when() > now and not h.cancelled()}
         self._pending = (self._pending[0] - granted[0], self._pending[1] - granted[1])
         self._hold(granted)
         self._kick.set()  # the head may need more still
