@@ -133,7 +133,8 @@ class ImageLimits:
 @dataclass(frozen=True)
 class PreparedImage:
     data_url: str
-    sha256: str
+    sha256: str  # of the upload as received (kept with the scan's row)
+    prepared_sha256: str  # of the JPEG as sent: the vision reply cache's photo identity
     width: int  # after preparation
     height: int
     original_width: int
@@ -330,10 +331,12 @@ def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
     except (OSError, SyntaxError, ValueError, EOFError):  # UnidentifiedImageError is an OSError
         # Truncated, corrupt or lying about being an image.
         raise ImageInvalid() from None
-    encoded = base64.b64encode(out.getvalue()).decode("ascii")
+    prepared = out.getvalue()
+    encoded = base64.b64encode(prepared).decode("ascii")
     return PreparedImage(
         data_url=f"data:image/jpeg;base64,{encoded}",
         sha256=hashlib.sha256(data).hexdigest(),
+        prepared_sha256=hashlib.sha256(prepared).hexdigest(),
         width=small.width,
         height=small.height,
         original_width=plan.size[0],

@@ -355,13 +355,15 @@ async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:
     return identity
 
 
-def _reply_cache(settings: Settings, stage: str, metrics: Metrics, clock: Clock) -> ReplyCache:
-    """The stage's reply cache (app/reply_cache.py), bounded by its VISION_/ANSWER_CACHE_* settings."""
+def _reply_cache(settings: Settings, stage: str, metrics: Metrics, clock: Clock) -> ReplyCache | None:
+    """The stage's reply cache (app/reply_cache.py), bounded by its VISION_/ANSWER_CACHE_*
+    settings; None when a bound of 0 turns it off (the stage then keys nothing)."""
     if stage == "vision":
         bounds = (settings.vision_cache_entries, settings.vision_cache_bytes, settings.vision_cache_ttl_s)
     else:
         bounds = (settings.answer_cache_entries, settings.answer_cache_bytes, settings.answer_cache_ttl_s)
-    return ReplyCache(stage, CacheLimits(*bounds), clock=clock, metrics=metrics)
+    limits = CacheLimits(*bounds)
+    return ReplyCache(stage, limits, clock=clock, metrics=metrics) if limits.enabled else None
 
 
 def _shared_user_caps(

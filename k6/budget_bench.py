@@ -41,6 +41,7 @@ import make_images
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+PSQL_TIMEOUT_S = 60.0  # each psql call (create, count, drop)
 
 
 def free_port() -> int:
@@ -67,7 +68,9 @@ def wait_ready(url: str, seconds: float = 60) -> None:
 
 
 def psql(dsn: str, sql: str) -> str:
-    return subprocess.run(["psql", dsn, "-Atc", sql], check=True, capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["psql", dsn, "-Atc", sql], check=True, capture_output=True, text=True, timeout=PSQL_TIMEOUT_S
+    ).stdout
 
 
 def main() -> int:

@@ -32,7 +32,6 @@ import os
 import random
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ import httpx
 from httpx_sse import aconnect_sse
 
 import make_images
+from budget_bench import free_port, psql
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -184,13 +184,6 @@ def measure(scenario: str, service_url: str, sim: httpx.Client, work: Workload) 
     return row
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def wait_ready(url: str, proc: subprocess.Popen[bytes], seconds: float = 60) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and proc.poll() is None:
@@ -216,10 +209,6 @@ def running(command: list[str], ready_url: str, log: Path, env: dict[str, str]) 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
-
-
-def psql(dsn: str, sql: str) -> None:
-    subprocess.run(["psql", dsn, "-Atc", sql], check=True, capture_output=True, timeout=60)
 
 
 @contextlib.contextmanager

@@ -15,22 +15,16 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 
 import redis
 
+from tests.service_process import free_port
+
 MACHINE_REDIS = "redis://127.0.0.1:6379/0"
 START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def answers(url: str) -> bool:

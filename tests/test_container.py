@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from httpx_sse import aconnect_sse
 
-from .conftest import SCAN_URL, Event, data_url, make_jpeg, run_scan
+from .conftest import Event, data_url, make_jpeg, run_scan
+from .streamed_scan import StreamedScan
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = "ecoscan:container-test"
@@ -150,35 +150,6 @@ def container(built_image: Built) -> Iterator[Container]:
         _run(["docker", "rm", "--force", "--volumes", name], timeout=60)
 
 
-class StreamedScan:
-    """A scan read in the background; `started` is set at its first event. A stream cut
-    without a terminal event surfaces as the task's exception (httpx's incomplete body)."""
-
-    def __init__(self, url: str, seed: int) -> None:
-        self.events: list[Event] = []
-        self.started = asyncio.Event()
-        self.task = asyncio.create_task(self._read(url, seed))
-
-    async def _read(self, url: str, seed: int) -> None:
-        async with (
-            httpx.AsyncClient(base_url=url, timeout=60) as client,
-            aconnect_sse(
-                client,
-                "POST",
-                SCAN_URL,
-                json={"image_url": data_url(make_jpeg(seed)), "user_input": "뚜껑은 어떻게 버리나요?"},
-                headers={"X-User-ID": f"container-{seed}"},
-            ) as source,
-        ):
-            assert source.response.status_code == 200, await source.response.aread()
-            async for sse in source.aiter_sse():
-                self.events.append(Event(sse.event, sse.id, json.loads(sse.data)))
-                self.started.set()
-
-    def terminals(self) -> list[Event]:
-        return [e for e in self.events if e.event in ("done", "error")]
-
-
 def _assert_one_terminal_last(events: list[Event]) -> Event:
     terminals = [e for e in events if e.event in ("done", "error")]
     assert len(terminals) == 1, [e.event for e in events]
@@ -214,7 +185,7 @@ async def test_image_serves_a_scan_and_drains_on_docker_stop(
     assert outcome.of("delta"), "the answer was not streamed"
 
     # `docker stop` with a scan in flight: SIGTERM drains it.
-    scan = StreamedScan(container.url, seed=11)
+    scan = StreamedScan(container.url, 11, user="container-11", user_input="뚜껑은 어떻게 버리나요?")
     async with asyncio.timeout(30):
         await scan.started.wait()
     assert not scan.terminals(), "the scan ended before the stop: nothing was in flight"

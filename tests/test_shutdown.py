@@ -5,59 +5,25 @@ real PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import uuid
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import httpx
-from httpx_sse import aconnect_sse
 
 from app.sim.server import RunningSimulator
 
-from .conftest import SCAN_URL, Event, data_url, eventually, make_jpeg, run_scan, scan_row, sim_configure
+from .conftest import SCAN_URL, data_url, eventually, make_jpeg, run_scan, scan_row, sim_configure
 from .service_process import ServiceProcess, service_env, service_process
+from .streamed_scan import StreamedScan
 
 # The simulator's latency per call is its median times this: ~0.9 s vision + ~1 s answer.
 SCAN_OF_TWO_SECONDS = 0.2
 
 
-class StreamedScan:
-    """A scan whose stream is read in the background; `started` is set at its first event."""
-
-    def __init__(self, url: str, seed: int) -> None:
-        self.events: list[Event] = []
-        self.started = asyncio.Event()
-        self.task = asyncio.create_task(self._read(url, seed))
-
-    async def _read(self, url: str, seed: int) -> None:
-        async with (
-            httpx.AsyncClient(base_url=url, timeout=60) as client,
-            aconnect_sse(
-                client,
-                "POST",
-                SCAN_URL,
-                json={"image_url": data_url(make_jpeg(seed))},
-                headers={"X-User-ID": f"user-{seed}"},
-            ) as source,
-        ):
-            assert source.response.status_code == 200, await source.response.aread()
-            async for sse in source.aiter_sse():
-                self.events.append(Event(sse.event, sse.id, json.loads(sse.data)))
-                self.started.set()
-
-    @property
-    def job_id(self) -> uuid.UUID:
-        return uuid.UUID(self.events[0].data["job_id"])
-
-    def terminals(self) -> list[Event]:
-        return [e for e in self.events if e.event in ("done", "error")]
-
-
 async def start_scans(svc: ServiceProcess, count: int) -> list[StreamedScan]:
-    scans = [StreamedScan(svc.url, seed) for seed in range(100, 100 + count)]
+    scans = [StreamedScan(svc.url, seed, user=f"user-{seed}") for seed in range(100, 100 + count)]
     async with asyncio.timeout(30):
         await asyncio.gather(*(s.started.wait() for s in scans))
     return scans

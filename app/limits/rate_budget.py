@@ -331,6 +331,10 @@ class RateBudget:
     def _take(self, tokens: int) -> Reservation:
         self._req -= 1.0
         self._tok -= tokens
+        return self._reservation(tokens)
+
+    def _reservation(self, tokens: int) -> Reservation:
+        """The receipt `_take` hands out (a subclass may remember more with it)."""
         return Reservation(self, tokens)
 
     def _credit(self, requests: float, tokens: float) -> None:

@@ -203,8 +203,9 @@ class SharedRateBudget(RateBudget):
     def _take(self, tokens: int) -> Reservation:
         requests, taken = self._taken
         self._taken = (requests + 1, taken + tokens)
-        self._req -= 1.0
-        self._tok -= tokens
+        return super()._take(tokens)
+
+    def _reservation(self, tokens: int) -> Reservation:
         return _EpochReservation(self, tokens, self.epoch)
 
     def _credit(self, requests: float, tokens: float) -> None:
