@@ -11,6 +11,7 @@ scans k6 saw complete.
     .venv/bin/python k6/cpu_per_scan.py                        # one process
     .venv/bin/python k6/cpu_per_scan.py --workers 2            # uvicorn --workers 2
     .venv/bin/python k6/cpu_per_scan.py --repeat 3 --out /tmp/cps   # three runs, one sitting
+    .venv/bin/python k6/cpu_per_scan.py --profile              # and where the CPU goes (py-spy)
 
 Prints one line per run: CPU ms per completed scan, scans/s, p95, and the service's
 average CPU (100 % = one core). These machines are shared: compare runs of one sitting.
@@ -59,6 +60,7 @@ def sweep_argv(args: argparse.Namespace, out: Path) -> list[str]:
         "--k6", str(BIN / "k6"),
         "--out", str(out),
         "--force",
+        *(["--profile"] if args.profile else []),
     ]  # fmt: skip
 
 
@@ -82,11 +84,20 @@ def main() -> int:
     p.add_argument("--caches", choices=("on", "off"), default="off")
     p.add_argument("--repeat", type=int, default=1, help="runs, one after the other")
     p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "cpu-per-scan")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the service meanwhile and print k6/profile_shares.py's tables "
+        "(sampling costs the service a little CPU: compare figures of unprofiled runs)",
+    )
     args = p.parse_args()
     for run in range(args.repeat):
         out = args.out / f"run-{run + 1}"
         subprocess.run(sweep_argv(args, out), check=True, stdout=subprocess.DEVNULL)
         print(f"run {run + 1}: {summary(out)}", flush=True)
+        if args.profile:
+            profiles = sorted((out / "points").glob("*.py-spy.txt"))
+            subprocess.run([sys.executable, str(ROOT / "k6" / "profile_shares.py"), *map(str, profiles)])
     return 0
 
 

