@@ -60,6 +60,7 @@ def sweep_argv(args: argparse.Namespace, out: Path) -> list[str]:
         "--k6", str(BIN / "k6"),
         "--out", str(out),
         "--force",
+        "--app", args.app,
         *(["--profile"] if args.profile else []),
     ]  # fmt: skip
 
@@ -82,6 +83,9 @@ def main() -> int:
     p.add_argument("--duration", default="40s")
     p.add_argument("--workers", type=int, default=1, help="uvicorn --workers")
     p.add_argument("--caches", choices=("on", "off"), default="off")
+    p.add_argument(
+        "--app", default="app.main:app", help="the ASGI app (k6/lean_floor:app: the issue's lean reference)"
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs, one after the other")
     p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "cpu-per-scan")
     p.add_argument(

@@ -116,7 +116,11 @@ def add_fixed_options(p: argparse.ArgumentParser) -> None:
         "--k6-env", type=key_value, action="append", default=[], metavar="KEY=V", help="extra k6 env"
     )
     run.add_argument("--access-log", action="store_true", help="keep uvicorn's access log (off by default)")
-    run.add_argument("--app", default="app.main:app", help="the ASGI app to serve (module:attribute)")
+    run.add_argument(
+        "--app",
+        default="app.main:app",
+        help="the ASGI app to serve: module:attribute, or folder/module:attribute (e.g. k6/lean_floor:app)",
+    )
     run.add_argument(
         "--database-url",
         default="postgresql://postgres@127.0.0.1:5432/ecoscan_bench",
