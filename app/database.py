@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import asyncpg
+import orjson
 
 log = logging.getLogger(__name__)
 
@@ -396,6 +397,9 @@ def tagged_dsn(dsn: str, instance_id: uuid.UUID) -> str:
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
-    import json
+    await conn.set_type_codec("jsonb", encoder=_json_text, decoder=orjson.loads, schema="pg_catalog")
 
-    await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
+
+def _json_text(value: object) -> str:
+    """jsonb parameters as asyncpg's text codec wants them (orjson: compact, UTF-8)."""
+    return orjson.dumps(value).decode()

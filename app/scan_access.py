@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-import json
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from app.scan_events import EventLog
 from app.scan_run import ScanRun
 from app.scan_store import ScanStore, StoredScan
 from app.scan_streams import ScanStreams
-from app.streaming import followed_response, replayed_response, resumed_response, to_sse
+from app.streaming import event_data, followed_response, replayed_response, resumed_response
 
 
 def token_hash(token: str) -> str:
@@ -187,6 +186,5 @@ def _status(
     }
     if log is not None and log.closed:
         terminal = log.entries[-1]
-        payload = json.loads(to_sse(str(scan_id), terminal).data or "{}")
-        body["result" if terminal.event.kind == "done" else "error"] = payload
+        body["result" if terminal.event.kind == "done" else "error"] = event_data(str(scan_id), terminal)
     return body

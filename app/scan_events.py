@@ -16,10 +16,11 @@ wire format (SSE).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+import orjson
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,19 +141,15 @@ class EventLog:
     def to_json(self, *extra: LogEntry) -> str:
         """The log (plus `extra` entries not yet published) as stored with the row: each
         event's kind, step and fields exactly as sent, so a replay is identical."""
-        return json.dumps(
-            [
-                [e.seq, e.progress, e.event.kind, e.event.step, e.event.fields()]
-                for e in (*self.entries, *extra)
-            ],
-            ensure_ascii=False,
-            separators=(",", ":"),
-        )
+        entries = (*self.entries, *extra)
+        return orjson.dumps(
+            [[e.seq, e.progress, e.event.kind, e.event.step, e.event.fields()] for e in entries]
+        ).decode()
 
     @classmethod
     def from_json(cls, text: str) -> EventLog:
         log = cls()
-        for seq, progress, kind, step, fields in json.loads(text):
+        for seq, progress, kind, step, fields in orjson.loads(text):
             log.publish(LogEntry(seq, progress, RecordedEvent(kind=kind, step=step, recorded=fields)))
         return log
 

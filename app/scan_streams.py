@@ -31,13 +31,13 @@ keeps the scan running while that lease exists (`followed_elsewhere`, app/scan_r
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis.asyncio as redis
 
 from app.errors import ScanRunningElsewhere
@@ -334,13 +334,13 @@ def _flatten(entries: list[LogEntry]) -> list[Any]:
     pairs: list[Any] = []
     for e in entries:
         record = [e.seq, e.progress, e.event.kind, e.event.step, e.event.fields()]
-        pairs += [e.seq, json.dumps(record, ensure_ascii=False, separators=(",", ":"))]
+        pairs += [e.seq, orjson.dumps(record)]
     return pairs
 
 
 def _entries(reply: list[tuple[bytes, dict[bytes, bytes]]]) -> list[LogEntry]:
     entries = []
     for _, fields in reply:
-        seq, progress, kind, step, recorded = json.loads(fields[b"e"])
+        seq, progress, kind, step, recorded = orjson.loads(fields[b"e"])
         entries.append(LogEntry(seq, progress, RecordedEvent(kind=kind, step=step, recorded=recorded)))
     return entries

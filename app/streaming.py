@@ -1,55 +1,35 @@
-"""The SSE response of one scan: a race between the pipeline task, sse-starlette's
-ping and its client-disconnect listener. The only module that knows the wire format:
-each domain event becomes one SSE event whose `data` is JSON with `job_id`, `step`,
-`seq` (also the SSE `id:`), `progress` and the event's own fields.
+"""The SSE stream of one scan: what goes out. The only module that knows the wire
+format: each domain event becomes one SSE event whose `data` is JSON with `job_id`,
+`step`, `seq` (also the SSE `id:`), `progress` and the event's own fields. How the
+bytes go out (sends, ping, disconnects) is app/sse_response.py.
 
 The response only *reads* the scan's event log, from any position (`Last-Event-ID`),
 until its terminal event. A shutdown does not cut it: the drain ends every scan with a
-terminal event first (see `take_over_shutdown`). When the client goes away,
-sse-starlette cancels this generator; its `finally` detaches from the run, and the
-last follower leaving starts the scan's disconnect grace, after which the pipeline
-task is cancelled and cleans up on its own (closes the upstream stream, writes the
-`cancelled` row, releases its admission ticket). The generator never awaits that
-cleanup: it runs inside sse-starlette's cancel scope, where every await would be
-cancelled again.
+terminal event first (see `take_over_shutdown`). When the client goes away, the
+response cancels this generator; its `finally` detaches from the run, and the last
+follower leaving starts the scan's disconnect grace, after which the pipeline task is
+cancelled and cleans up on its own (closes the upstream stream, writes the `cancelled`
+row, releases its admission ticket). The generator never awaits that cleanup.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from sse_starlette.sse import AppStatus, SendTimeoutError
-from starlette.types import Receive, Scope, Send
+import orjson
+from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
 
 from app.metrics import Metrics
 from app.scan_events import EventLog, LogEntry
 from app.scan_run import ScanRun
-
-log = logging.getLogger(__name__)
-
+from app.sse_response import LeanEventSourceResponse
 
 # A client that stops reading (its TCP window full) blocks a send; after this long the
 # stream ends as if it had disconnected, instead of holding the response forever.
 SEND_TIMEOUT_S = 30.0
-
-
-class _ScanStream(EventSourceResponse):
-    """A client that stopped reading is an ordinary event: one log line, no traceback
-    (the generator's `finally` has already cancelled the scan)."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except SendTimeoutError:
-            log.warning(
-                "%s: the client stopped reading for %.0f s; stream closed",
-                self.headers.get("x-scan-id"),
-                SEND_TIMEOUT_S,
-            )
 
 
 def take_over_shutdown() -> None:
@@ -90,11 +70,11 @@ def followed_response(
 
 def _response(
     job_id: str,
-    events: AsyncIterator[ServerSentEvent] | AsyncIterator[bytes],
+    events: AsyncIterator[bytes],
     ping_s: float,
     headers: dict[str, str] | None,
 ) -> EventSourceResponse:
-    return _ScanStream(
+    return LeanEventSourceResponse(
         events,
         ping=ping_s,
         send_timeout=SEND_TIMEOUT_S,
@@ -132,17 +112,25 @@ async def _stored(job_id: str, log: EventLog, after: int) -> AsyncIterator[bytes
 def encode_batch(job_id: str, batch: list[LogEntry]) -> bytes:
     """Events that are ready together leave in one send (one ASGI message, one write):
     the same bytes as one send each, at a fraction of the per-send cost."""
-    return b"".join(to_sse(job_id, entry).encode() for entry in batch)
+    return b"".join([encode_event(job_id, entry) for entry in batch])
 
 
-async def _mirrored(job_id: str, entries: AsyncIterator[LogEntry]) -> AsyncIterator[ServerSentEvent]:
+async def _mirrored(job_id: str, entries: AsyncIterator[LogEntry]) -> AsyncIterator[bytes]:
     async for entry in entries:
-        yield to_sse(job_id, entry)
+        yield encode_event(job_id, entry)
 
 
-def to_sse(job_id: str, entry: LogEntry) -> ServerSentEvent:
+def encode_event(job_id: str, entry: LogEntry) -> bytes:
+    """One SSE event, as sse-starlette's `ServerSentEvent(data, event=, id=).encode()` frames
+    it (`id`, `event`, `data` lines, CRLF): the JSON is one line, since orjson escapes
+    every line break inside strings, so no data line needs splitting."""
+    data = orjson.dumps(event_data(job_id, entry))
+    return b"id: %d\r\nevent: %s\r\ndata: %s\r\n\r\n" % (entry.seq, entry.event.kind.encode(), data)
+
+
+def event_data(job_id: str, entry: LogEntry) -> dict[str, Any]:
+    """The JSON object an event's `data` carries."""
     event = entry.event
     data = {"job_id": job_id, "step": event.step, "seq": entry.seq, "progress": entry.progress}
     data.update(event.fields())
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return ServerSentEvent(data=text, event=event.kind, id=str(entry.seq))
+    return data

@@ -14,7 +14,6 @@ The SDK runs with `max_retries=0`: its retries would bypass the budget.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -24,6 +23,7 @@ from typing import Any
 import httpx
 import jiter
 import openai
+import orjson
 
 from app.errors import (
     ScanDeadlineExceeded,
@@ -241,7 +241,7 @@ class Upstream:
         return await self._client.post(
             "/chat/completions",
             cast_to=httpx.Response,
-            content=json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(),
+            content=orjson.dumps(body),
             options={"headers": headers},
         )
 

@@ -24,7 +24,7 @@ from app.redis_link import RedisLink
 from app.scan_events import AnswerDelta, EventLog, LogEntry, ScanDone, StageCompleted, StageStarted
 from app.scan_streams import ScanStreams
 from app.sim.server import RunningSimulator
-from app.streaming import to_sse
+from app.streaming import encode_event
 
 from .conftest import (
     SCAN_URL,
@@ -87,8 +87,8 @@ async def collect(entries: AsyncIterator[LogEntry] | None) -> list[LogEntry]:
     return [entry async for entry in entries]
 
 
-def wire(job_id: str, entries: list[LogEntry]) -> list[tuple[str | None, str | None, str | None]]:
-    return [(sse.id, sse.event, sse.data) for sse in (to_sse(job_id, e) for e in entries)]
+def wire(job_id: str, entries: list[LogEntry]) -> list[bytes]:
+    return [encode_event(job_id, e) for e in entries]
 
 
 async def test_a_mirrored_log_is_followed_back_with_the_same_events(

@@ -1,0 +1,131 @@
+"""How a scan's SSE bytes go out: sse-starlette's `EventSourceResponse` (its headers,
+framing and HEAD handling) run at a fraction of its per-response cost.
+
+sse-starlette runs every response as an anyio task group of four tasks (the body, a
+pinger, a shutdown-signal listener and a disconnect listener) and wraps every send in
+an anyio cancel scope. Under load that was a tenth of the service's CPU
+(k6/cpu_per_scan.py --profile; README, cost per scan). Here the body is sent from the
+request's own task, each send bounded by `asyncio.timeout`; one small task waits for the
+client's disconnect; the ping is a timer that starts a task only when a ping is due
+(scans are usually over before the first); the shutdown listener is not needed, since
+the drain ends every scan with a terminal event (app/drain.py) and the stream closes
+after it.
+
+Ending early, the body iterator is closed, so its `finally` runs (the scan's follower
+detaches): when the client disconnects, or stops reading for `send_timeout` seconds
+(one log line, no traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import UTC, datetime
+
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette.event import ensure_bytes
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+
+class _SendTimedOut(Exception):
+    """The client did not take a send for `send_timeout` seconds."""
+
+
+class LeanEventSourceResponse(EventSourceResponse):
+    _stopped: str | None = None  # why the body stopped early: "disconnect" or "send timeout"
+    _stream_task: asyncio.Task[object] | None = None
+    _ping_timer: asyncio.TimerHandle | None = None
+    _ping_task: asyncio.Task[None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"].upper() == "HEAD":
+            await super().__call__(scope, receive, send)
+            return
+        self._stream_task = task = asyncio.current_task()
+        assert task is not None
+        self._lock = asyncio.Lock()
+        listener = asyncio.create_task(self._listen_for_disconnect_and_stop(receive))
+        self._arm_ping(send)
+        try:
+            await self._send_body(send)
+        except _SendTimedOut:
+            pass
+        except asyncio.CancelledError:
+            if self._stopped is None or task.uncancel() > 0:
+                raise  # not (only) our own stop: someone else cancels this request
+        finally:
+            self.active = False
+            listener.cancel()
+            self._disarm_ping()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        if self._stopped == "send timeout":
+            log.warning(
+                "%s: the client stopped reading for %.0f s; stream closed",
+                self.headers.get("x-scan-id"),
+                self.send_timeout,
+            )
+        if self.background is not None:
+            await self.background()
+
+    async def _send_body(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await self._send(send, ensure_bytes(chunk, self.sep))
+        async with self._lock:
+            self.active = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send(self, send: Send, chunk: bytes) -> None:
+        async with self._lock:
+            try:
+                async with asyncio.timeout(self.send_timeout):
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except TimeoutError:
+                self._stop("send timeout")
+                raise _SendTimedOut() from None
+
+    async def _listen_for_disconnect_and_stop(self, receive: Receive) -> None:
+        while self.active:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self._stop("disconnect")
+                return
+
+    def _stop(self, reason: str) -> None:
+        """End the body early; not once it has ended (uvicorn reports a finished response
+        to `receive` as a disconnect too)."""
+        if self.active and self._stream_task is not None:
+            self._stopped = reason
+            self.active = False
+            if self._stream_task is not asyncio.current_task():
+                self._stream_task.cancel()
+
+    def _arm_ping(self, send: Send) -> None:
+        if self.ping_interval > 0 and self.active:
+            loop = asyncio.get_running_loop()
+            self._ping_timer = loop.call_later(self.ping_interval, self._ping_due, send)
+
+    def _disarm_ping(self) -> None:
+        if self._ping_timer is not None:
+            self._ping_timer.cancel()
+        if self._ping_task is not None:
+            self._ping_task.cancel()
+
+    def _ping_due(self, send: Send) -> None:
+        self._ping_task = asyncio.get_running_loop().create_task(self._ping_once(send))
+
+    async def _ping_once(self, send: Send) -> None:
+        comment = f"ping - {datetime.now(UTC)}"
+        ping = ServerSentEvent(comment=comment, sep=self.sep).encode()
+        async with self._lock:
+            if not self.active:
+                return
+            try:
+                async with asyncio.timeout(self.send_timeout):
+                    await send({"type": "http.response.body", "body": ping, "more_body": True})
+            except TimeoutError:
+                self._stop("send timeout")
+                return
+        self._arm_ping(send)
