@@ -55,7 +55,7 @@ from app.stages.reward import RewardStage
 from app.stages.rule import RuleBook
 from app.stages.vision import VisionStage
 from app.taxonomy import Taxonomy, load_taxonomy
-from app.upstream import Upstream
+from app.upstream import ChatEndpoint, Upstream
 
 log = logging.getLogger("app")
 
@@ -110,11 +110,9 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         taxonomy, characters = await _catalogue(pool)
         rules = await _rule_book(settings, pool, taxonomy, dsn, stack)
         metrics.rules_listener_up.set_function(_reader(rules, "listening"))
-        client, base_url, simulator = await _openai_client(settings, stack)
+        chat, base_url, simulator = await _openai_client(settings, stack)
         redis = await _redis_link(settings, stack)
-        upstream = _upstream(
-            settings, client, metrics, clock, _budgets(settings, redis, metrics, clock, stack)
-        )
+        upstream = _upstream(settings, chat, metrics, clock, _budgets(settings, redis, metrics, clock, stack))
         vision = VisionStage(
             upstream,
             taxonomy,
@@ -242,7 +240,7 @@ async def _rule_book(
     return rules
 
 
-async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[openai.AsyncOpenAI, str, Any]:
+async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[ChatEndpoint, str, Any]:
     base_url, api_key, simulator = await _upstream_endpoint(settings, stack)
     timeout = httpx.Timeout(
         connect=settings.openai_connect_timeout_s,
@@ -260,13 +258,13 @@ async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[ope
         timeout=timeout,
         # httpx's API over aiohttp's C HTTP parser (the SDK's own aiohttp option): with
         # h11, parsing streamed chunks in pure Python was ~25% of the event loop.
-        http_client=openai.DefaultAioHttpClient(timeout=timeout, limits=limits),
+        http_client=(http := openai.DefaultAioHttpClient(timeout=timeout, limits=limits)),
     )
     stack.push_async_callback(_bounded_close, "OpenAI client", client.close)
     # The SDK imports its resource modules on first attribute access: ~0.5 s of
     # imports that would otherwise stall the event loop inside the first scan.
     _ = client.chat.completions.with_raw_response
-    return client, base_url, simulator
+    return ChatEndpoint.of(client, http), base_url, simulator
 
 
 def _budgets(
@@ -305,7 +303,7 @@ def _count_redis_call(metrics: Metrics, model: str, op: str, seconds: float) -> 
 
 def _upstream(
     settings: Settings,
-    client: openai.AsyncOpenAI,
+    chat: ChatEndpoint,
     metrics: Metrics,
     clock: Clock,
     budgets: dict[str, RateBudget],
@@ -320,7 +318,7 @@ def _upstream(
         base_delay_s=settings.retry_base_delay_s,
         max_delay_s=settings.retry_max_delay_s,
     )
-    return Upstream(client, budgets=budgets, gates=gates, retry=retry, metrics=metrics, clock=clock)
+    return Upstream(chat, budgets=budgets, gates=gates, retry=retry, metrics=metrics, clock=clock)
 
 
 async def _redis_link(settings: Settings, stack: AsyncExitStack) -> RedisLink | None:

@@ -8,7 +8,8 @@ still queued behind the gate. After every answer, 2xx or not, the `x-ratelimit-*
 headers correct the budget; a 429 pauses the whole budget for `retry-after` so the
 other waiters do not hammer the upstream in the meantime.
 
-The SDK runs with `max_retries=0`: its retries would bypass the budget.
+The SDK's client is configured with `max_retries=0` (its retries would bypass the
+budget); `ChatEndpoint` sends through it with what it was configured with.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ ENDPOINT = "chat.completions"
 
 # Refusal text is logged and shown to the client, but not without bound.
 MAX_REFUSAL_CHARS = 300
+# A rejection whose body is not OpenAI's JSON error is logged this far.
+MAX_ERROR_BODY_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -108,10 +111,46 @@ class _Failed(Exception):
         self.wait_s = wait_s
 
 
+@dataclass(frozen=True)
+class ChatEndpoint:
+    """POST /chat/completions as the SDK's client would: its base URL, its headers (API key,
+    User-Agent, X-Stainless-* platform headers) and its timeout, through its own httpx client
+    (the aiohttp transport), all taken from the client once at start-up. Per call only the
+    body is new: the SDK's per-request machinery (options model, header merge, URL join,
+    response wrappers) cost ~0.5 ms of CPU per call over this (k6/cpu_per_scan.py; README,
+    cost per scan). Errors are read here as OpenAI documents them (status, headers, JSON
+    `error` object), not through the SDK's exception classes."""
+
+    http: httpx.AsyncClient
+    url: httpx.URL
+    headers: httpx.Headers
+    extensions: dict[str, Any]
+
+    @classmethod
+    def of(cls, client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> ChatEndpoint:
+        headers = {**client.default_headers, **client.auth_headers, "X-Stainless-Retry-Count": "0"}
+        timeout = (
+            client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
+        )
+        return cls(
+            http,
+            client.base_url.join("chat/completions"),
+            httpx.Headers({k: v for k, v in headers.items() if isinstance(v, str)}),  # not the SDK's Omit
+            {"timeout": timeout.as_dict()},
+        )
+
+    async def post(self, body: bytes) -> httpx.Response:
+        """The response as soon as its head is in; the caller reads and closes it."""
+        request = httpx.Request(
+            "POST", self.url, headers=self.headers, content=body, extensions=self.extensions
+        )
+        return await self.http.send(request, stream=True)
+
+
 class Upstream:
     def __init__(
         self,
-        client: openai.AsyncOpenAI,
+        chat: ChatEndpoint,
         *,
         budgets: Mapping[str, RateBudget],
         gates: Mapping[str, StageGate],
@@ -119,7 +158,7 @@ class Upstream:
         metrics: Metrics,
         clock: Clock,
     ) -> None:
-        self._client = client
+        self._chat = chat
         self.budgets = budgets
         self.gates = gates
         self._retry = retry
@@ -210,40 +249,25 @@ class Upstream:
         result: ChatResult,
     ) -> None:
         try:
-            if on_text is None:
-                response = await self._post(call, stream=False)
+            response = await self._chat.post(orjson.dumps(_body(call, stream=on_text is not None)))
+            try:
+                if response.is_error:
+                    await response.aread()
+                    raise self._status_failure(call, budget, reservation, response)
                 self._observe(call, budget, response.headers, "2xx")
-                usage = _read_completion(response.content, result)
-            else:
-                response = await self._post(call, stream=True)
-                try:
-                    self._observe(call, budget, response.headers, "2xx")
+                if on_text is None:
+                    usage = _read_completion(await response.aread(), result)
+                else:
                     usage = await _read_chunks(response.aiter_bytes(), result, on_text)
-                finally:
-                    # Leaving, normally or by cancellation (client gone), closes the HTTP
-                    # stream: that is how the upstream learns to stop generating.
-                    await response.aclose()
-        except openai.APIStatusError as exc:
-            raise self._status_failure(call, budget, reservation, exc) from None
-        except (openai.APIConnectionError, httpx.TransportError) as exc:  # timeouts included
+            finally:
+                # Leaving, normally or by cancellation (client gone), closes the HTTP
+                # stream: that is how the upstream learns to stop generating.
+                await response.aclose()
+        except httpx.TransportError as exc:  # timeouts included
             raise self._transport_failure(call, reservation, exc, result) from exc
         if usage is not None:
             self._settle(call, reservation, usage, result)
         _check_finish(call, result)
-
-    async def _post(self, call: ChatCall, *, stream: bool) -> httpx.Response:
-        """POST /chat/completions through the SDK's own client (its auth, base URL, timeouts
-        and status errors) with the body serialised once by us and the reply read as plain
-        JSON. `create()` costs ~1 ms more CPU per call: a type-walk of the parameters and a
-        pydantic model of the reply (k6/cpu_per_scan.py; README, cost per scan)."""
-        body = _body(call, stream=stream)
-        headers = _STREAM_HEADERS if stream else _JSON_HEADERS
-        return await self._client.post(
-            "/chat/completions",
-            cast_to=httpx.Response,
-            content=orjson.dumps(body),
-            options={"headers": headers},
-        )
 
     def _settle(self, call: ChatCall, reservation: Reservation, usage: _Usage, result: ChatResult) -> None:
         result.prompt_tokens, result.completion_tokens, result.reasoning_tokens, result.cached_tokens = usage
@@ -272,18 +296,15 @@ class Upstream:
         return _Failed(UpstreamError(), retry=True, reason="connection")
 
     def _status_failure(
-        self,
-        call: ChatCall,
-        budget: RateBudget,
-        reservation: Reservation,
-        exc: openai.APIStatusError,
+        self, call: ChatCall, budget: RateBudget, reservation: Reservation, response: httpx.Response
     ) -> _Failed:
-        headers = exc.response.headers
-        status = exc.status_code
+        headers = response.headers
+        status = response.status_code
+        body = _error_body(response.content)
         if status == 429:
             self._observe(call, budget, headers, "429")
-            code = getattr(exc, "code", None) or _error_field(exc.body, "code")
-            kind = _error_field(exc.body, "type") or "unknown"
+            code = _error_field(body, "code")
+            kind = _error_field(body, "type") or "unknown"
             self._metrics.upstream_429.labels(call.model, str(code or kind)).inc()
             # A 429 is not counted by the upstream: give the reservation back.
             reservation.settle(None)
@@ -301,7 +322,8 @@ class Upstream:
                 reason=status_class,
                 wait_s=retry_after_from_headers(headers),
             )
-        log.error("upstream rejected %s call with %d: %s", call.stage, status, exc.message)
+        message = _error_field(body, "message") or response.text[:MAX_ERROR_BODY_CHARS]
+        log.error("upstream rejected %s call with %d: %s", call.stage, status, message)
         return _Failed(UpstreamRejected(), retry=False, reason=status_class)
 
     def _observe(self, call: ChatCall, budget: RateBudget, headers: httpx.Headers, status: str) -> None:
@@ -318,12 +340,6 @@ class Upstream:
 
 
 _Usage = tuple[int, int, int, int]  # prompt, completion (reasoning included), reasoning, cached
-
-
-# The SDK sends what `client.post` gets as is; "stream" makes it hand back the response
-# unread (what its own `with_streaming_response` does), for the chunks to be read as they come.
-_JSON_HEADERS = {"Content-Type": "application/json"}
-_STREAM_HEADERS = {**_JSON_HEADERS, "X-Stainless-Raw-Response": "stream"}
 
 
 def _body(call: ChatCall, *, stream: bool) -> dict[str, Any]:
@@ -453,6 +469,14 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         current = current.__cause__ or current.__context__
+
+
+def _error_body(content: bytes) -> object:
+    """An error reply's JSON (`{"error": {...}}`), or None if it is not JSON."""
+    try:
+        return jiter.from_json(content) if content else None
+    except ValueError:
+        return None
 
 
 def _error_field(body: object, name: str) -> str | None:
