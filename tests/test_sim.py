@@ -154,7 +154,7 @@ async def sdk(sim_server: RunningSimulator) -> AsyncIterator[openai.AsyncOpenAI]
 
 @pytest.fixture
 async def sim_http(sim_server: RunningSimulator) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=sim_server.url) as c:
+    async with httpx.AsyncClient(base_url=sim_server.url, headers={"Authorization": "Bearer sim"}) as c:
         yield c
 
 
@@ -475,6 +475,20 @@ async def test_bad_requests_are_openai_shaped(sdk: openai.AsyncOpenAI, sim_http:
     models = await sdk.models.list()
     assert MODEL in [m.id for m in models.data]
     assert (await sim_http.get("/v1/nope")).json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_request_without_a_bearer_key_gets_openais_401(sim_server: RunningSimulator) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    async with httpx.AsyncClient(base_url=sim_server.url) as anonymous:
+        for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Basic c2ltOg=="}):
+            response = await anonymous.post("/v1/chat/completions", json=body, headers=headers)
+            assert response.status_code == 401
+            error = response.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["message"].startswith("You didn't provide an API key.")
+    async with openai.AsyncOpenAI(api_key="any-key", base_url=sim_server.base_url, max_retries=0) as sdk:
+        reply = await sdk.chat.completions.create(model=MODEL, messages=body["messages"])  # type: ignore[arg-type]
+    assert reply.choices[0].message.content
 
 
 async def test_stats_reset(sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient) -> None:

@@ -47,7 +47,7 @@ async def sdk(sim_server: RunningSimulator) -> AsyncIterator[openai.AsyncOpenAI]
 
 @pytest.fixture
 async def sim_http(sim_server: RunningSimulator) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=sim_server.url) as c:
+    async with httpx.AsyncClient(base_url=sim_server.url, headers={"Authorization": "Bearer sim"}) as c:
         yield c
 
 

@@ -79,7 +79,8 @@ async def test_the_body_goes_out_whole_and_the_stream_ends() -> None:
 
 async def test_a_quiet_stream_gets_pings_between_events() -> None:
     body = Body(lambda: events(b"data: 1\r\n\r\n", b"data: 2\r\n\r\n", pause_s=0.35))
-    async with serve_in_loop(app_for(body, ping=0.1), http=HttpToolsProtocol) as url, httpx.AsyncClient() as c:
+    app = app_for(body, ping=0.1)
+    async with serve_in_loop(app, http=HttpToolsProtocol) as url, httpx.AsyncClient() as c:
         text = (await c.get(url)).text
     assert text.count(": ping - ") >= 3
     assert text.replace("\r\n", "\n").split("\n\n")[-2:] == ["data: 2", ""]

@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from app.sim.errors import QUOTA_BODY, SERVER_ERROR_BODY, InvalidRequest, error_body
+from app.sim.errors import QUOTA_BODY, SERVER_ERROR_BODY, InvalidRequest, error_body, missing_api_key
 from app.sim.generate import generate_content, unenforced_content
 from app.sim.latency import plan_stream
 from app.sim.ratelimit import ORGANIZATION, Header, format_duration, retry_headers
@@ -46,11 +46,11 @@ class ChatCompletions:
         stats = self.state.stats
         stats.inflight += 1
         try:
-            await self._handle(receive, send)
+            await self._handle(scope, receive, send)
         finally:
             stats.inflight -= 1
 
-    async def _handle(self, receive: Receive, send: Send) -> None:
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
         stats = state.stats
         raw = await _read_body(receive)
@@ -58,6 +58,8 @@ class ChatCompletions:
         headers: list[Header] = [(b"x-request-id", f"req_{secrets.token_hex(16)}".encode())]
         headers += _COMMON
         try:
+            if not _has_bearer_key(scope):
+                raise missing_api_key()
             body = decode_body(raw)
             state.capture(body)
             request = parse_request(body)
@@ -214,3 +216,12 @@ def _stream_tail(encoder: ChunkEncoder, reply: Reply, include_usage: bool, total
     if include_usage:
         tail += encoder.usage(totals)
     return tail + DONE
+
+
+def _has_bearer_key(scope: Scope) -> bool:
+    """Any non-empty key will do: the simulator has no accounts, only the header's shape."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, key = value.partition(b" ")
+            return scheme.lower() == b"bearer" and bool(key.strip())
+    return False

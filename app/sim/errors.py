@@ -42,6 +42,19 @@ SERVER_ERROR_BODY = error_body(SERVER_ERROR_MESSAGE, "server_error")
 QUOTA_BODY = error_body(QUOTA_MESSAGE, "insufficient_quota", None, "insufficient_quota")
 
 
+def missing_api_key() -> InvalidRequest:
+    """OpenAI's 401 for a request without `Authorization: Bearer <key>` (checked before the body)."""
+    return InvalidRequest(NO_API_KEY_MESSAGE, status=401)
+
+
+NO_API_KEY_MESSAGE = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header "
+    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or as the password field (with blank "
+    "username) if you're accessing the API from your browser and are prompted for a username and "
+    "password. You can obtain an API key from https://platform.openai.com/account/api-keys."
+)
+
+
 def model_not_found(model: str) -> InvalidRequest:
     message = f"The model `{model}` does not exist or you do not have access to it."
     return InvalidRequest(message, None, "model_not_found", status=404)
