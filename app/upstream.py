@@ -14,6 +14,8 @@ budget); `ChatEndpoint` sends through it with what it was configured with.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import logging
 import time
@@ -98,6 +100,8 @@ def safety_identifier(user_id: str | None) -> str | None:
 # Called with everything this attempt has received so far. A retry starts again
 # from an empty text, so the consumer can tell a fresh attempt from a continuation.
 OnText = Callable[[str], Awaitable[None]]
+# Reads a streamed reply's bytes into the result; returns its usage, if it came.
+ReadStream = Callable[[AsyncIterator[bytes], "ChatResult"], Awaitable["_Usage | None"]]
 
 
 class _Failed(Exception):
@@ -176,15 +180,23 @@ class Upstream:
     async def complete(self, call: ChatCall, *, deadline: float) -> ChatResult:
         return await self._with_retries(call, deadline, None)
 
-    async def stream(self, call: ChatCall, *, deadline: float, on_text: OnText) -> ChatResult:
-        return await self._with_retries(call, deadline, on_text)
+    async def stream(
+        self, call: ChatCall, *, deadline: float, on_text: OnText, pace_s: float = 0.0
+    ) -> ChatResult:
+        """A streamed call; `on_text` gets the text so far after each read of the stream.
+        With `pace_s`, reads are at least that far apart: tokens arriving meanwhile wait in
+        the socket buffer and are parsed in one go (one wake-up, one `on_text`, instead of
+        one per token), for a reader that shows text at that pace anyway."""
+        return await self._with_retries(call, deadline, functools.partial(_read_chunks, on_text, pace_s))
 
-    async def _with_retries(self, call: ChatCall, deadline: float, on_text: OnText | None) -> ChatResult:
+    async def _with_retries(
+        self, call: ChatCall, deadline: float, read_stream: ReadStream | None
+    ) -> ChatResult:
         result = ChatResult()
         while True:
             result.attempts += 1
             try:
-                await self._attempt(call, deadline, on_text, result)
+                await self._attempt(call, deadline, read_stream, result)
                 return result
             except _Failed as failed:
                 delay = self._retry.delay(result.attempts, failed.wait_s)
@@ -208,7 +220,7 @@ class Upstream:
                 await self._clock.sleep(delay)
 
     async def _attempt(
-        self, call: ChatCall, deadline: float, on_text: OnText | None, result: ChatResult
+        self, call: ChatCall, deadline: float, read_stream: ReadStream | None, result: ChatResult
     ) -> None:
         budget = self.budgets[call.model]
         gate = self.gates[call.stage]
@@ -230,7 +242,7 @@ class Upstream:
             started = time.perf_counter()
             self.reservations_open += 1
             try:
-                await self._call(call, budget, reservation, on_text, result)
+                await self._call(call, budget, reservation, read_stream, result)
             finally:
                 self.reservations_open -= 1
                 elapsed = time.perf_counter() - started
@@ -245,20 +257,20 @@ class Upstream:
         call: ChatCall,
         budget: RateBudget,
         reservation: Reservation,
-        on_text: OnText | None,
+        read_stream: ReadStream | None,
         result: ChatResult,
     ) -> None:
         try:
-            response = await self._chat.post(orjson.dumps(_body(call, stream=on_text is not None)))
+            response = await self._chat.post(orjson.dumps(_body(call, stream=read_stream is not None)))
             try:
                 if response.is_error:
                     await response.aread()
                     raise self._status_failure(call, budget, reservation, response)
                 self._observe(call, budget, response.headers, "2xx")
-                if on_text is None:
+                if read_stream is None:
                     usage = _read_completion(await response.aread(), result)
                 else:
-                    usage = await _read_chunks(response.aiter_bytes(), result, on_text)
+                    usage = await read_stream(response.aiter_bytes(), result)
             finally:
                 # Leaving, normally or by cancellation (client gone), closes the HTTP
                 # stream: that is how the upstream learns to stop generating.
@@ -384,47 +396,64 @@ def _usage_of(u: dict[str, Any]) -> _Usage:
     )
 
 
-async def _read_chunks(stream: AsyncIterator[bytes], result: ChatResult, on_text: OnText) -> _Usage | None:
+async def _read_chunks(
+    on_text: OnText, pace_s: float, stream: AsyncIterator[bytes], result: ChatResult
+) -> _Usage | None:
     """Consume a Chat Completions event stream; returns the usage if it was sent.
 
     Lines are split from raw bytes here rather than through httpx's text and line
     decoders: two fewer async layers per chunk, and jiter parses bytes. A stream that
     ends without `[DONE]` or without a finish reason was cut off on the way: retried."""
     usage: _Usage | None = None
-    text = ""
+    text = ""  # this attempt's: a retry starts again from nothing
     buffer = b""
     async for data in stream:
         buffer += data
         *lines, buffer = buffer.split(b"\n")
+        shown, done = text, False
         for line in lines:
             if not line.startswith(b"data:"):
                 continue  # blank separators, comments, `event:` lines
             payload = line[5:].strip()
             if payload == b"[DONE]":
-                if result.finish_reason is None:
-                    break
-                return usage
-            try:
-                chunk = jiter.from_json(payload)  # ~9x json.loads on these small chunks
-            except ValueError:
-                raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
-            if "error" in chunk:  # OpenAI reports some failures inside a started stream
-                raise _Failed(UpstreamError(), retry=True, reason="stream_error")
-            if chunk.get("usage"):
-                usage = _usage_of(chunk["usage"])
-            for choice in chunk.get("choices") or ():
-                if choice.get("index", 0) != 0:
-                    continue
-                if choice.get("finish_reason"):
-                    result.finish_reason = choice["finish_reason"]
-                delta = choice.get("delta") or {}
-                if refusal := delta.get("refusal"):
-                    result.refusal += refusal
-                if piece := delta.get("content"):
-                    text += piece
-                    result.text = text
-                    await on_text(text)
+                done = True
+                break
+            piece, chunk_usage = _read_chunk(payload, result)
+            text += piece
+            usage = chunk_usage or usage
+        if text != shown:
+            result.text = text
+            await on_text(text)
+        if done:
+            if result.finish_reason is None:
+                break
+            return usage
+        if pace_s > 0:
+            await asyncio.sleep(pace_s)
     raise _Failed(UpstreamError(), retry=True, reason="truncated")
+
+
+def _read_chunk(payload: bytes, result: ChatResult) -> tuple[str, _Usage | None]:
+    """One streamed chunk: its text (refusal and finish reason go to `result`) and usage."""
+    try:
+        chunk = jiter.from_json(payload)  # ~9x json.loads on these small chunks
+    except ValueError:
+        raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
+    if "error" in chunk:  # OpenAI reports some failures inside a started stream
+        raise _Failed(UpstreamError(), retry=True, reason="stream_error")
+    usage = _usage_of(chunk["usage"]) if chunk.get("usage") else None
+    text = ""
+    for choice in chunk.get("choices") or ():
+        if choice.get("index", 0) != 0:
+            continue
+        if choice.get("finish_reason"):
+            result.finish_reason = choice["finish_reason"]
+        delta = choice.get("delta") or {}
+        if refusal := delta.get("refusal"):
+            result.refusal += refusal
+        if piece := delta.get("content"):
+            text += piece
+    return text, usage
 
 
 def _ratelimit_headers(headers: httpx.Headers) -> dict[str, str]:

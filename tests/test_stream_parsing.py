@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Mapping
 
@@ -40,11 +42,32 @@ async def test_chunks_split_anywhere_give_the_same_text_and_usage(size: int) -> 
         seen.append(text)
 
     result = ChatResult()
-    usage = await _read_chunks(feed(body, size), result, on_text)
+    usage = await _read_chunks(on_text, 0.0, feed(body, size), result)
     assert usage == (12, 3, 0, 0)
     assert result.text == "분리배출 하세요"
-    assert seen == ["분리", "분리배출 ", "분리배출 하세요"]
+    # After each read, the text so far: once per piece when the pieces come one by one.
+    assert seen[-1] == "분리배출 하세요"
+    assert all(a != b and b.startswith(a) for a, b in itertools.pairwise(seen))
+    if size <= 7:
+        assert seen == ["분리", "분리배출 ", "분리배출 하세요"]
     assert result.finish_reason == "stop"
+
+
+async def test_with_a_pace_reads_are_that_far_apart_and_nothing_is_lost() -> None:
+    pulls: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def timed(data: bytes) -> AsyncIterator[bytes]:
+        async for piece in feed(data, 40):
+            pulls.append(loop.time())
+            yield piece
+
+    pieces = [sse(content(str(i))) for i in range(9)] + [sse(content("!", "stop")), b"data: [DONE]\n\n"]
+    result = ChatResult()
+    await _read_chunks(ignore, 0.02, timed(b"".join(pieces)), result)
+    assert result.text == "012345678!"
+    assert len(pulls) > 3
+    assert all(b - a >= 0.019 for a, b in itertools.pairwise(pulls))  # a timer may fire a hair early
 
 
 async def test_an_error_inside_the_stream_is_a_retryable_failure() -> None:
@@ -54,7 +77,7 @@ async def test_an_error_inside_the_stream_is_a_retryable_failure() -> None:
         return None
 
     with pytest.raises(_Failed) as failed:
-        await _read_chunks(feed(body, 5), ChatResult(), on_text)
+        await _read_chunks(on_text, 0.0, feed(body, 5), ChatResult())
     assert failed.value.retry and failed.value.reason == "stream_error"
 
 
@@ -71,7 +94,7 @@ async def ignore(_text: str) -> None:
 )
 async def test_a_stream_cut_off_before_its_finish_is_a_retryable_failure(body: bytes) -> None:
     with pytest.raises(_Failed) as failed:
-        await _read_chunks(feed(body, 4), ChatResult(), ignore)
+        await _read_chunks(ignore, 0.0, feed(body, 4), ChatResult())
     assert failed.value.retry and failed.value.reason == "truncated"
 
 
@@ -86,5 +109,5 @@ async def test_refusal_pieces_are_collected_apart_from_content() -> None:
     }
     body = sse(refusal) + sse(tail) + sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n"
     result = ChatResult()
-    assert await _read_chunks(feed(body, 6), result, ignore) == (2048, 9, 4, 1920)
+    assert await _read_chunks(ignore, 0.0, feed(body, 6), result) == (2048, 9, 4, 1920)
     assert (result.refusal, result.text, result.finish_reason) == ("I can't help.", "", "stop")
