@@ -373,7 +373,17 @@ async def create_pool(
         timeout=timeout_s,
         # JSON columns come back as Python objects, not strings.
         init=_init_connection,
+        reset=_keep_session,
     )
+
+
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """What a released connection gets beyond asyncpg's own cleanup (an open transaction
+    rolled back, listeners dropped): nothing. The default reset query (`SELECT
+    pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL`) is one more round trip
+    per release, three per scan, for session state this service never leaves on a pooled
+    connection: LISTEN has its own connection (app/stages/rule.py), the migration lock is
+    released where it is taken, and nothing SETs session variables."""
 
 
 # Every connection of a process carries this tag and its instance id as its
