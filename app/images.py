@@ -109,6 +109,11 @@ _TRANSPOSE = {
     8: Image.Transpose.ROTATE_90,
 }
 
+# A JPEG sent on as it came may take this many bytes per pixel (quality ~95 photos take
+# well under 1): beyond it, re-encoding at JPEG_QUALITY saves the upload to OpenAI more
+# than it costs here.
+AS_IS_MAX_BYTES_PER_PIXEL = 1.0
+
 # PNG text chunks (zTXt/iTXt) are inflated while the header is read, before any budget
 # can be taken; Pillow allows 64 MB of them. We never read them.
 PngImagePlugin.MAX_TEXT_MEMORY = 4 * 2**20
@@ -306,24 +311,13 @@ def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
                 f"{plan.cost / 2**20:.0f} MiB; the limit is {budget.capacity / 2**20:.0f} MiB."
             )
         with budget.hold(plan.cost):
-            img.load()
+            img.load()  # the whole image decodes: a corrupt or truncated one fails here
             orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
-            small, content = _shrink(img, limits.long_side)
-            # Free the decoded pixels (and, for WebP, the decoder's canvases) before
-            # giving the budget back.
+            if _sendable_as_is(img, data, plan.size, orientation, limits):
+                prepared, size = data, plan.size
+            else:
+                prepared, size = _reencoded(img, plan.size, orientation, limits)
             img.close()
-            del img
-            target = _fit(plan.size, limits.long_side)
-            if small.size != target:
-                # After the integer reduce the remaining factor is < 2, where bilinear
-                # looks as good as bicubic for a downscale and costs ~35% less. `content`
-                # leaves out the part of the last row and column that reduce() padded.
-                small = small.resize(target, Image.Resampling.BILINEAR, box=content)
-            method = _TRANSPOSE.get(orientation)
-            if method is not None:
-                small = small.transpose(method)
-            out = io.BytesIO()
-            small.save(out, "JPEG", quality=limits.jpeg_quality, optimize=False)
     except (ImageTooManyPixels, ImageTypeUnsupported):
         raise
     except Image.DecompressionBombError:
@@ -331,18 +325,61 @@ def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
     except (OSError, SyntaxError, ValueError, EOFError):  # UnidentifiedImageError is an OSError
         # Truncated, corrupt or lying about being an image.
         raise ImageInvalid() from None
-    prepared = out.getvalue()
     encoded = base64.b64encode(prepared).decode("ascii")
+    sha256 = hashlib.sha256(data).hexdigest()
     return PreparedImage(
         data_url=f"data:image/jpeg;base64,{encoded}",
-        sha256=hashlib.sha256(data).hexdigest(),
-        prepared_sha256=hashlib.sha256(prepared).hexdigest(),
-        width=small.width,
-        height=small.height,
+        sha256=sha256,
+        prepared_sha256=sha256 if prepared is data else hashlib.sha256(prepared).hexdigest(),
+        width=size[0],
+        height=size[1],
         original_width=plan.size[0],
         original_height=plan.size[1],
         original_bytes=len(data),
     )
+
+
+def _sendable_as_is(
+    img: Image.Image, data: bytes, size: tuple[int, int], orientation: int, limits: ImageLimits
+) -> bool:
+    """A JPEG that re-encoding would only make worse (a second lossy pass) and cost CPU for:
+    within the long side, upright, RGB or grey, nothing but its JFIF header besides the
+    image (no EXIF, XMP, ICC profile, comment or trailing bytes: nothing of the camera,
+    place or person travels on) and not bloated. What our own page sends, having
+    downscaled the photo in a canvas (app/static/app.js)."""
+    return (
+        img.format == "JPEG"
+        and max(size) <= limits.long_side
+        and orientation == 1
+        and img.mode in ("RGB", "L")
+        and all(marker == "APP0" and payload.startswith(b"JFIF\0") for marker, payload in img.applist)  # type: ignore[attr-defined]
+        and "comment" not in img.info
+        and data.endswith(b"\xff\xd9")
+        and len(data) <= size[0] * size[1] * AS_IS_MAX_BYTES_PER_PIXEL
+    )
+
+
+def _reencoded(
+    img: Image.Image, size: tuple[int, int], orientation: int, limits: ImageLimits
+) -> tuple[bytes, tuple[int, int]]:
+    """Downscaled to the long side, turned upright, flattened to RGB, as a fresh JPEG."""
+    small, content = _shrink(img, limits.long_side)
+    # Free the decoded pixels (and, for WebP, the decoder's canvases) before giving the
+    # budget back.
+    img.close()
+    target = _fit(size, limits.long_side)
+    if small.size != target:
+        # After the integer reduce the remaining factor is < 2, where bilinear looks as
+        # good as bicubic for a downscale and costs ~35% less. `content` leaves out the part
+        # of the last row and column that reduce() padded.
+        small = small.resize(target, Image.Resampling.BILINEAR, box=content)
+    method = _TRANSPOSE.get(orientation)
+    if method is not None:
+        small = small.transpose(method)
+    out = io.BytesIO()
+    # Pillow carries a JPEG's comment over unless told otherwise (EXIF and ICC only when asked).
+    small.save(out, "JPEG", quality=limits.jpeg_quality, optimize=False, comment=b"")
+    return out.getvalue(), small.size
 
 
 def decode_plan(data: bytes, limits: ImageLimits) -> DecodePlan:

@@ -57,6 +57,61 @@ def test_exif_orientation_is_applied(orientation: int, size: tuple[int, int]) ->
     assert (prepared.width, prepared.height) == size
 
 
+def test_a_clean_jpeg_within_the_long_side_goes_on_as_it_came() -> None:
+    raw = make_jpeg(4, (640, 480))  # what our page sends: a canvas's JPEG, JFIF header only
+    prepared = prepare_image(raw, LIMITS)
+    assert base64.b64decode(prepared.data_url.split(",", 1)[1]) == raw
+    assert prepared.prepared_sha256 == prepared.sha256
+    assert (prepared.width, prepared.height) == (640, 480)
+
+
+def _with_exif_gps(raw: bytes) -> bytes:
+    img, exif = Image.open(io.BytesIO(raw)), Image.Exif()
+    exif[0x8825] = {1: "N", 2: (37.0, 33.0, 59.0)}  # GPSInfo: where the photo was taken
+    out = io.BytesIO()
+    img.save(out, "JPEG", quality=85, exif=exif.tobytes())
+    return out.getvalue()
+
+
+def _resaved(raw: bytes, **options: Any) -> bytes:
+    out = io.BytesIO()
+    Image.open(io.BytesIO(raw)).save(out, "JPEG", **options)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda raw: _with_exif_gps(raw), id="exif"),
+        pytest.param(lambda raw: _resaved(raw, quality=85, icc_profile=b"\0" * 128), id="icc-profile"),
+        pytest.param(lambda raw: _resaved(raw, quality=85, comment=b"Jane's kitchen"), id="comment"),
+        pytest.param(lambda raw: raw + b"PK\x03\x04 appended", id="trailing-bytes"),
+        pytest.param(lambda raw: _cmyk(raw), id="cmyk"),
+        pytest.param(lambda raw: _resaved(raw, quality=100, subsampling=0), id="bloated"),
+    ],
+)
+def test_a_jpeg_with_more_than_pixels_is_re_encoded_bare(make: Callable[[bytes], bytes]) -> None:
+    noisy = Image.effect_noise((320, 240), 90).convert("RGB")  # noise: q100 takes > 1 byte/pixel
+    out = io.BytesIO()
+    noisy.save(out, "JPEG", quality=85)
+    clean = out.getvalue()
+    assert prepare_image(clean, LIMITS).prepared_sha256 == prepare_image(clean, LIMITS).sha256  # as it came
+    raw = make(clean)
+    prepared = prepare_image(raw, LIMITS)
+    sent = base64.b64decode(prepared.data_url.split(",", 1)[1])
+    assert sent != raw and prepared.prepared_sha256 != prepared.sha256
+    img = Image.open(io.BytesIO(sent))
+    assert img.mode == "RGB" and (img.width, img.height) == (320, 240)
+    assert not img.getexif() and "icc_profile" not in img.info and "comment" not in img.info
+    assert sent.endswith(b"\xff\xd9")
+
+
+def _cmyk(raw: bytes) -> bytes:
+    out = io.BytesIO()
+    Image.open(io.BytesIO(raw)).convert("CMYK").save(out, "JPEG", quality=85)
+    return out.getvalue()
+
+
 def test_same_bytes_give_the_same_prepared_image_and_hash() -> None:
     raw = make_jpeg(3, (1200, 900))
     a, b = prepare_image(raw, LIMITS), prepare_image(raw, LIMITS)
