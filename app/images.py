@@ -343,20 +343,62 @@ def _sendable_as_is(
     img: Image.Image, data: bytes, size: tuple[int, int], orientation: int, limits: ImageLimits
 ) -> bool:
     """A JPEG that re-encoding would only make worse (a second lossy pass) and cost CPU for:
-    within the long side, upright, RGB or grey, nothing but its JFIF header besides the
-    image (no EXIF, XMP, ICC profile, comment or trailing bytes: nothing of the camera,
-    place or person travels on) and not bloated. What our own page sends, having
-    downscaled the photo in a canvas (app/static/app.js)."""
+    within the long side, upright, RGB or grey, not bloated, and nothing but a bare JFIF
+    image (`_bare_jfif`: nothing of the camera, place or person travels on). What our own
+    page sends, having downscaled the photo in a canvas (app/static/app.js)."""
     return (
         img.format == "JPEG"
         and max(size) <= limits.long_side
         and orientation == 1
         and img.mode in ("RGB", "L")
-        and all(marker == "APP0" and payload.startswith(b"JFIF\0") for marker, payload in img.applist)  # type: ignore[attr-defined]
-        and "comment" not in img.info
-        and data.endswith(b"\xff\xd9")
         and len(data) <= size[0] * size[1] * AS_IS_MAX_BYTES_PER_PIXEL
+        and _bare_jfif(data)
     )
+
+
+# What a bare JFIF image holds besides SOI, its APP0 and EOI: tables (DQT, DHT, DRI), one
+# Huffman-coded frame header (SOF0-2: baseline, extended, progressive) and scans (SOS).
+_SOS, _EOI = 0xDA, 0xD9
+_TABLES = frozenset({0xDB, 0xC4, 0xDD})
+_HUFFMAN_FRAMES = frozenset({0xC0, 0xC1, 0xC2})
+_JFIF_HEADER = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00"  # SOI, then a 16-byte APP0
+
+
+def _bare_jfif(data: bytes) -> bool:
+    """Whether `data` is a JPEG's image and nothing else, read marker by marker: SOI, one
+    16-byte JFIF APP0 without a thumbnail, tables, one SOF0-2 frame, its scans, and EOI
+    as the last two bytes. Any other segment (EXIF, XMP, ICC, comments, JFXX thumbnails,
+    Adobe, unknown APPn/JPGn), fill or stray bytes between segments, or bytes after EOI
+    means the photo is re-encoded instead."""
+    if not data.startswith(_JFIF_HEADER) or data[18:20] != b"\x00\x00":  # thumbnail 0x0
+        return False
+    pos, frames, end = 20, 0, len(data)
+    while pos + 2 <= end:
+        if data[pos] != 0xFF:
+            return False
+        marker = data[pos + 1]
+        if marker == _EOI:
+            return pos + 2 == end and frames == 1
+        segment_end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if segment_end > end or segment_end < pos + 4:
+            return False
+        if marker in _HUFFMAN_FRAMES:
+            frames += 1
+        elif marker != _SOS and marker not in _TABLES:
+            return False
+        pos = _scan_end(data, segment_end) if marker == _SOS else segment_end
+    return False
+
+
+def _scan_end(data: bytes, pos: int) -> int:
+    """Where the entropy-coded data from `pos` ends: at the first marker that is neither a
+    stuffed zero (FF00) nor a restart (FFD0-FFD7); the length of `data` if none."""
+    while (pos := data.find(b"\xff", pos)) != -1 and pos + 1 < len(data):
+        following = data[pos + 1]
+        if following != 0x00 and not 0xD0 <= following <= 0xD7:
+            return pos
+        pos += 2
+    return len(data)
 
 
 def _reencoded(

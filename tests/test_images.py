@@ -106,6 +106,37 @@ def test_a_jpeg_with_more_than_pixels_is_re_encoded_bare(make: Callable[[bytes],
     assert sent.endswith(b"\xff\xd9")
 
 
+def _jfif_thumbnail(raw: bytes) -> bytes:  # APP0 with a 1x1 RGB thumbnail (another picture)
+    return raw[:4] + b"\x00\x13" + raw[6:18] + b"\x01\x01\xff\x00\x00" + raw[20:]
+
+
+def _before_eoi(raw: bytes, segment: bytes) -> bytes:
+    return raw[:-2] + segment + raw[-2:]
+
+
+HIDDEN = [
+    pytest.param(_jfif_thumbnail, id="jfif-thumbnail"),
+    pytest.param(lambda raw: raw[:20] + b"GPS 37.56N alice@example.com" + raw[20:], id="stray-bytes"),
+    pytest.param(lambda raw: _before_eoi(raw, b"\xff\xe1\x00\x0dExif\x00\x00GPS!"), id="exif-after-scan"),
+    pytest.param(lambda raw: raw + _with_exif_gps(raw), id="a-second-jpeg-appended"),
+    pytest.param(lambda raw: raw[:20] + b"\xff\xf0\x00\x06JPG0" + raw[20:], id="jpgn-segment"),
+    pytest.param(lambda raw: raw[:20] + b"\xff\xfe\x00\x06hi!!" + raw[20:], id="comment"),
+]
+
+
+@pytest.mark.parametrize("hide", HIDDEN)
+def test_anything_but_a_bare_jfif_image_is_not_sent_as_it_came(hide: Callable[[bytes], bytes]) -> None:
+    raw = make_jpeg(5, (320, 240))
+    assert images._bare_jfif(raw)
+    assert not images._bare_jfif(hide(raw))
+
+
+def test_a_progressive_jfif_is_bare_too() -> None:
+    out = io.BytesIO()
+    Image.open(io.BytesIO(make_jpeg(6, (320, 240)))).save(out, "JPEG", quality=85, progressive=True)
+    assert images._bare_jfif(out.getvalue())
+
+
 def _cmyk(raw: bytes) -> bytes:
     out = io.BytesIO()
     Image.open(io.BytesIO(raw)).convert("CMYK").save(out, "JPEG", quality=85)
