@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 import jiter
 import openai
@@ -54,7 +55,7 @@ ENDPOINT = "chat.completions"
 
 # Refusal text is logged and shown to the client, but not without bound.
 MAX_REFUSAL_CHARS = 300
-# A rejection whose body is not OpenAI's JSON error is logged this far.
+# A rejection's message (or its body, if it is not OpenAI's JSON error) is logged this far.
 MAX_ERROR_BODY_CHARS = 300
 
 
@@ -132,16 +133,15 @@ class ChatEndpoint:
 
     @classmethod
     def of(cls, client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> ChatEndpoint:
-        headers = {**client.default_headers, **client.auth_headers, "X-Stainless-Retry-Count": "0"}
+        # The httpx client's own defaults (the Accept-Encoding it can decode...) under the
+        # SDK's, merged by name whatever the case, as the SDK's own requests have them.
+        headers = httpx.Headers(http.headers)
+        sdk = {**client.default_headers, **client.auth_headers, "X-Stainless-Retry-Count": "0"}
+        headers.update({k: v for k, v in sdk.items() if isinstance(v, str)})  # not the SDK's Omit
         timeout = (
             client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
         )
-        return cls(
-            http,
-            client.base_url.join("chat/completions"),
-            httpx.Headers({k: v for k, v in headers.items() if isinstance(v, str)}),  # not the SDK's Omit
-            {"timeout": timeout.as_dict()},
-        )
+        return cls(http, client.base_url.join("chat/completions"), headers, {"timeout": timeout.as_dict()})
 
     async def post(self, body: bytes) -> httpx.Response:
         """The response as soon as its head is in; the caller reads and closes it."""
@@ -260,10 +260,13 @@ class Upstream:
         read_stream: ReadStream | None,
         result: ChatResult,
     ) -> None:
+        # What this attempt reads; a failed attempt's text, refusal or finish reason must
+        # not pass for the retry's.
+        result.text, result.refusal, result.finish_reason = "", "", None
         try:
             response = await self._chat.post(orjson.dumps(_body(call, stream=read_stream is not None)))
             try:
-                if response.is_error:
+                if not response.is_success:  # a 3xx too, when the client did not follow it
                     await response.aread()
                     raise self._status_failure(call, budget, reservation, response)
                 self._observe(call, budget, response.headers, "2xx")
@@ -275,7 +278,9 @@ class Upstream:
                 # Leaving, normally or by cancellation (client gone), closes the HTTP
                 # stream: that is how the upstream learns to stop generating.
                 await response.aclose()
-        except httpx.TransportError as exc:  # timeouts included
+        except (httpx.RequestError, aiohttp.ClientError) as exc:
+            # Timeouts included; httpx_aiohttp passes some of aiohttp's errors (a malformed
+            # response, say) through untranslated.
             raise self._transport_failure(call, reservation, exc, result) from exc
         if usage is not None:
             self._settle(call, reservation, usage, result)
@@ -334,7 +339,7 @@ class Upstream:
                 reason=status_class,
                 wait_s=retry_after_from_headers(headers),
             )
-        message = _error_field(body, "message") or response.text[:MAX_ERROR_BODY_CHARS]
+        message = (_error_field(body, "message") or response.text)[:MAX_ERROR_BODY_CHARS]
         log.error("upstream rejected %s call with %d: %s", call.stage, status, message)
         return _Failed(UpstreamRejected(), retry=False, reason=status_class)
 
@@ -436,7 +441,9 @@ async def _read_chunks(
 def _read_chunk(payload: bytes, result: ChatResult) -> tuple[str, _Usage | None]:
     """One streamed chunk: its text (refusal and finish reason go to `result`) and usage."""
     try:
-        chunk = jiter.from_json(payload)  # ~9x json.loads on these small chunks
+        # jiter: ~4x json.loads on these small chunks; caching only the keys, since their
+        # values (ids, text) rarely repeat: 1.5 vs 2.5 us a chunk.
+        chunk = jiter.from_json(payload, cache_mode="keys")
     except ValueError:
         raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
     if "error" in chunk:  # OpenAI reports some failures inside a started stream

@@ -5,7 +5,9 @@ an upstream that refuses the connection)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import re
 import socket
 from typing import Any, get_type_hints
 
@@ -206,3 +208,55 @@ async def test_a_refused_connection_is_a_connection_error_and_costs_no_budget(
         available = {"model": "gpt-4o-mini", "resource": "requests"}
         assert await eventually(lambda: svc.metric("ecoscan_budget_available", available) >= 5.99)
         assert_budget_idle(svc)
+
+
+class CannedUpstream:
+    """An "OpenAI" on a loopback port that answers every request with the same raw bytes."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.requests = 0
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._answer, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/v1"
+
+    async def __aexit__(self, *_: object) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?i)content-length: *(\d+)", head)
+        await reader.readexactly(int(length[1]) if length else 0)
+        self.requests += 1
+        writer.write(self.reply)
+        await writer.drain()
+        writer.close()
+
+
+async def test_a_malformed_reply_is_a_retried_connection_error_not_an_internal_one(
+    database_url: str, sim: RunningSimulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    # aiohttp refuses the header line; httpx_aiohttp passes its error on untranslated.
+    garbled = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nno colon here\r\n\r\n{}"
+    upstream = CannedUpstream(garbled)
+    async with upstream as url, running_service(settings_for(database_url, sim, openai_base_url=url)) as svc:
+        error = (await scan(svc, 49)).terminal
+        assert (error.event, error.data["code"], error.data["retryable"]) == ("error", "UPSTREAM_ERROR", True)
+        assert upstream.requests == svc.settings.retry_max_attempts
+        retries = {"model": "gpt-4o-mini", "reason": "connection"}
+        assert svc.metric("ecoscan_upstream_retries_total", retries) == svc.settings.retry_max_attempts - 1
+    assert "unexpected error" not in caplog.text and "Traceback" not in caplog.text
+
+
+async def test_an_unfollowed_3xx_is_a_rejection(database_url: str, sim: RunningSimulator) -> None:
+    # Redirects with a Location are followed by the client, as the SDK's own requests are;
+    # one without a Location is the final answer, and it is no completion.
+    upstream = CannedUpstream(b"HTTP/1.1 300 Multiple Choices\r\nContent-Length: 0\r\n\r\n")
+    async with upstream as url, running_service(settings_for(database_url, sim, openai_base_url=url)) as svc:
+        error = (await scan(svc, 50)).terminal
+        assert (error.event, error.data["code"]) == ("error", "UPSTREAM_REJECTED")
+        assert upstream.requests == 1  # not retried
+        calls = {"model": "gpt-4o-mini", "endpoint": "chat.completions", "status": "3xx"}
+        assert svc.metric("ecoscan_upstream_calls_total", calls) == 1
