@@ -217,6 +217,9 @@ async def _catalogue(pool: asyncpg.Pool[asyncpg.Record]) -> tuple[Taxonomy, list
     """Migrations, then what the stages need from the database once: taxonomy, characters."""
     async with pool.acquire() as conn:
         applied = await apply_migrations(conn, bundled_migrations())
+        # Pooled connections are not reset on release (app/database.py): whatever session
+        # state a migration's SQL left behind goes here, before scans use the connection.
+        await conn.reset()
         if applied:
             log.info("migrations applied: %s", ", ".join(applied))
         return await load_taxonomy(conn), await RewardStage.load_characters(conn)

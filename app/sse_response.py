@@ -12,8 +12,9 @@ the drain ends every scan with a terminal event (app/drain.py) and the stream cl
 after it.
 
 Ending early, the body iterator is closed, so its `finally` runs (the scan's follower
-detaches): when the client disconnects, or stops reading for `send_timeout` seconds
-(one log line, no traceback).
+detaches): when the client disconnects, or stops reading for `send_timeout` seconds (a
+warning here, and uvicorn's own line about the unfinished response; no traceback).
+sse-starlette's shutdown event, data-sender and close-handler options are not used here.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class LeanEventSourceResponse(EventSourceResponse):
     async def _send_body(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for chunk in self.body_iterator:
+            if not self.active:  # stopped, should a body swallow the one cancellation
+                break
             await self._send(send, ensure_bytes(chunk, self.sep))
         async with self._lock:
             self.active = False

@@ -43,7 +43,8 @@ QUOTA_BODY = error_body(QUOTA_MESSAGE, "insufficient_quota", None, "insufficient
 
 
 def missing_api_key() -> InvalidRequest:
-    """OpenAI's 401 for a request without `Authorization: Bearer <key>` (checked before the body)."""
+    """OpenAI's 401 for a request without `Authorization: Bearer <key>` (checked before the
+    body is parsed)."""
     return InvalidRequest(NO_API_KEY_MESSAGE, status=401)
 
 

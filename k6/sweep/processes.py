@@ -45,7 +45,8 @@ def find_k6(explicit: str | None) -> str:
 
 
 def find_py_spy() -> str:
-    for candidate in (str(REPO / ".venv" / "bin" / "py-spy"), shutil.which("py-spy")):
+    beside_python = Path(sys.executable).parent / "py-spy"  # the venv running the sweep
+    for candidate in (str(REPO / ".venv" / "bin" / "py-spy"), str(beside_python), shutil.which("py-spy")):
         if candidate and Path(candidate).exists():
             return candidate
     raise SystemExit("py-spy not found: pip install py-spy")
