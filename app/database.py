@@ -407,9 +407,16 @@ def tagged_dsn(dsn: str, instance_id: uuid.UUID) -> str:
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
-    await conn.set_type_codec("jsonb", encoder=_json_text, decoder=orjson.loads, schema="pg_catalog")
+    await conn.set_type_codec(
+        "jsonb", encoder=_jsonb_binary, decoder=_jsonb_value, schema="pg_catalog", format="binary"
+    )
 
 
-def _json_text(value: object) -> str:
-    """jsonb parameters as asyncpg's text codec wants them (orjson: compact, UTF-8)."""
-    return orjson.dumps(value).decode()
+def _jsonb_binary(value: object) -> bytes:
+    """A jsonb parameter in PostgreSQL's binary format: a version byte (1), then the JSON
+    text (orjson: compact UTF-8, no str round trip)."""
+    return b"\x01" + orjson.dumps(value)
+
+
+def _jsonb_value(data: bytes) -> object:
+    return orjson.loads(data[1:])

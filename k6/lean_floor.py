@@ -10,8 +10,8 @@ CPU per scan can go on this machine:
 - one aiohttp.ClientSession (keep-alive, up to 1,024 connections) and request bodies
   pre-serialised with orjson: each call's constant part (model, parameters, json_schema)
   once at start-up, the scan's messages appended to it;
-- orjson for every JSON (the jsonb codec too), an asyncpg pool of ecoscan's default size
-  whose connections are not reset on release (asyncpg's reset is a query per release);
+- orjson for every JSON, and ecoscan's own asyncpg pool (app/database.py: its size, its
+  orjson jsonb codec, no reset query on release);
 - ecoscan's own migrations, taxonomy, prompts, SQL statements and event shapes;
 - per scan, ecoscan's database work: the `running` INSERT and the terminal UPDATE of
   `scans` (result, timings, the whole event log), the rule lookup (cached in a dict),
@@ -51,7 +51,7 @@ import yarl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `app`, under uvicorn --app-dir k6
 
-from app.database import apply_migrations, bundled_migrations, tagged_dsn
+from app.database import apply_migrations, bundled_migrations, create_pool, tagged_dsn
 from app.scan_store import _FINISH, _INSERT
 from app.settings import Settings
 from app.stages import answer as answer_stage
@@ -96,16 +96,6 @@ def _body(head: bytes, messages: list[dict[str, Any]], safety_id: str | None) ->
     if safety_id is not None:
         fields["safety_identifier"] = safety_id
     return head[:-1] + b"," + orjson.dumps(fields)[1:]
-
-
-async def _jsonb_codec(conn: asyncpg.Connection[asyncpg.Record]) -> None:
-    # jsonb's binary format: a version byte, then the JSON text.
-    encode, decode = (lambda value: b"\x01" + orjson.dumps(value)), (lambda data: orjson.loads(data[1:]))
-    await conn.set_type_codec("jsonb", encoder=encode, decoder=decode, schema="pg_catalog", format="binary")
-
-
-async def _no_reset(conn: asyncpg.Connection[asyncpg.Record]) -> None:
-    """Nothing here leaves session state behind (no LISTEN, SET, lock or cursor)."""
 
 
 async def _respond(send: Send, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
@@ -208,14 +198,12 @@ class LeanFloor:
         if not (s.database_url and s.openai_base_url and s.openai_api_key):
             raise RuntimeError("DATABASE_URL, OPENAI_BASE_URL and OPENAI_API_KEY must be set")
         self.instance_id = uuid.uuid4()
-        self.pool = await asyncpg.create_pool(
+        # ecoscan's own pool: its size, timeouts, orjson jsonb codec and no reset on release.
+        self.pool = await create_pool(
             tagged_dsn(s.database_url, self.instance_id),
             min_size=s.db_pool_min,
             max_size=s.db_pool_max,
-            command_timeout=s.db_timeout_s,
-            timeout=s.db_timeout_s,
-            init=_jsonb_codec,
-            reset=_no_reset,
+            timeout_s=s.db_timeout_s,
         )
         async with self.pool.acquire() as conn:
             await apply_migrations(conn, bundled_migrations())
