@@ -36,6 +36,7 @@ class _SendTimedOut(Exception):
 
 class LeanEventSourceResponse(EventSourceResponse):
     _stopped: str | None = None  # why the body stopped early: "disconnect" or "send timeout"
+    _ended = False  # the last body message went out
     _stream_task: asyncio.Task[object] | None = None
     _ping_timer: asyncio.TimerHandle | None = None
     _ping_task: asyncio.Task[None] | None = None
@@ -74,17 +75,19 @@ class LeanEventSourceResponse(EventSourceResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for chunk in self.body_iterator:
             if not self.active:  # stopped, should a body swallow the one cancellation
-                break
+                return
             await self._send(send, ensure_bytes(chunk, self.sep))
-        async with self._lock:
-            self.active = False
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._send(send, b"", more_body=False)
+        # Before anything else runs: uvicorn reports the finished response to `receive` as a
+        # disconnect, which must not stop anything now.
+        self._ended = True
 
-    async def _send(self, send: Send, chunk: bytes) -> None:
+    async def _send(self, send: Send, chunk: bytes, *, more_body: bool = True) -> None:
+        """One body message, bounded by `send_timeout` (the last one too)."""
         async with self._lock:
             try:
                 async with asyncio.timeout(self.send_timeout):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
             except TimeoutError:
                 self._stop("send timeout")
                 raise _SendTimedOut() from None
@@ -97,9 +100,8 @@ class LeanEventSourceResponse(EventSourceResponse):
                 return
 
     def _stop(self, reason: str) -> None:
-        """End the body early; not once it has ended (uvicorn reports a finished response
-        to `receive` as a disconnect too)."""
-        if self.active and self._stream_task is not None:
+        """End the body early, once; not after it has ended."""
+        if self._stopped is None and not self._ended and self._stream_task is not None:
             self._stopped = reason
             self.active = False
             if self._stream_task is not asyncio.current_task():
@@ -123,7 +125,7 @@ class LeanEventSourceResponse(EventSourceResponse):
         comment = f"ping - {datetime.now(UTC)}"
         ping = ServerSentEvent(comment=comment, sep=self.sep).encode()
         async with self._lock:
-            if not self.active:
+            if not self.active or self._ended:
                 return
             try:
                 async with asyncio.timeout(self.send_timeout):
