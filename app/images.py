@@ -299,7 +299,9 @@ class DecodePlan:
 
 
 def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
-    """Validate, decode cheaply, orient, downscale and re-encode as a JPEG data URL."""
+    """Validate, decode cheaply, orient, downscale and re-encode as a JPEG data URL; a bare
+    JPEG that needs none of that (`_sendable_as_is`) goes on as it came, decoded only to
+    check it."""
     fmt = _check_type(data, limits)
     try:
         img = _open(data, fmt)
