@@ -25,6 +25,7 @@ from typing import Any
 
 import asyncpg
 import httpx
+import openai
 import pytest
 from httpx_sse import aconnect_sse
 from PIL import Image, ImageDraw
@@ -132,6 +133,19 @@ async def no_stray_loop_errors() -> AsyncIterator[None]:
 async def sim() -> AsyncIterator[RunningSimulator]:
     async with run_simulator(BASE_SIM) as running:
         yield running
+
+
+# The simulator tests' clients, of the `sim_server` their module starts with its own config.
+@pytest.fixture
+async def sdk(sim_server: RunningSimulator) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=sim_server.base_url, api_key="sim", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+async def sim_http(sim_server: RunningSimulator) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=sim_server.url, headers={"Authorization": "Bearer sim"}) as c:
+        yield c
 
 
 @pytest.fixture(autouse=True)

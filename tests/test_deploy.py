@@ -26,7 +26,7 @@ import urllib.parse
 from collections.abc import Iterator, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import jsonschema  # type: ignore[import-untyped]
@@ -470,28 +470,27 @@ def dashboard_queries() -> Iterator[tuple[str, str]]:
             yield panel["title"], re.sub(r"\$\{(\w+)\}|\$(\w+)", grafana_variable, target["expr"])
 
 
-def selectors(expr: promql_parser.Expr) -> list[promql_parser.VectorSelector]:
-    found: list[promql_parser.VectorSelector] = []
+Node = TypeVar("Node", bound=promql_parser.Expr)
+
+
+def nodes_of(expr: promql_parser.Expr, kind: type[Node]) -> list[Node]:
+    found: list[Node] = []
 
     def visit(node: promql_parser.Expr) -> bool:
-        if isinstance(node, promql_parser.VectorSelector):
+        if isinstance(node, kind):
             found.append(node)
         return True
 
     promql_parser.walk(expr, visit)
     return found
+
+
+def selectors(expr: promql_parser.Expr) -> list[promql_parser.VectorSelector]:
+    return nodes_of(expr, promql_parser.VectorSelector)
 
 
 def aggregations(expr: promql_parser.Expr) -> list[promql_parser.AggregateExpr]:
-    found: list[promql_parser.AggregateExpr] = []
-
-    def visit(node: promql_parser.Expr) -> bool:
-        if isinstance(node, promql_parser.AggregateExpr):
-            found.append(node)
-        return True
-
-    promql_parser.walk(expr, visit)
-    return found
+    return nodes_of(expr, promql_parser.AggregateExpr)
 
 
 def selector_name(selector: promql_parser.VectorSelector) -> str:

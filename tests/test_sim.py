@@ -146,18 +146,6 @@ async def sim_server() -> AsyncIterator[RunningSimulator]:
         yield running
 
 
-@pytest.fixture
-async def sdk(sim_server: RunningSimulator) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=sim_server.base_url, api_key="sim", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture
-async def sim_http(sim_server: RunningSimulator) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=sim_server.url, headers={"Authorization": "Bearer sim"}) as c:
-        yield c
-
-
 async def configure(sim_http: httpx.AsyncClient, **changes: Any) -> dict[str, Any]:
     response = await sim_http.patch("/sim/config", json=changes)
     assert response.status_code == 200, response.text

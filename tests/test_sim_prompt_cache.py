@@ -31,12 +31,6 @@ async def sim_server() -> AsyncIterator[RunningSimulator]:
         yield running
 
 
-@pytest.fixture
-async def sdk(sim_server: RunningSimulator) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=sim_server.base_url, api_key="sim", max_retries=0) as c:
-        yield c
-
-
 def messages(question: str, system: str = STATIC) -> list[ChatCompletionMessageParam]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
