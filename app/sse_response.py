@@ -29,6 +29,9 @@ from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
+# Closing the body runs its `finally` (ours only detach, without awaiting): bounded all the same.
+BODY_CLOSE_TIMEOUT_S = 5.0
+
 
 class _SendTimedOut(Exception):
     """The client did not take a send for `send_timeout` seconds."""
@@ -61,7 +64,8 @@ class LeanEventSourceResponse(EventSourceResponse):
             self.active = False
             listener.cancel()
             self._disarm_ping()
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            async with asyncio.timeout(BODY_CLOSE_TIMEOUT_S):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
         if self._stopped == "send timeout":
             log.warning(
                 "%s: the client stopped reading for %.0f s; stream closed",

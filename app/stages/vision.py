@@ -8,9 +8,10 @@ Economy. The request is laid out for OpenAI's prompt cache: what every scan send
 (schema, system prompt, instruction) first, then the photo, then the user's note, so
 the same photo with another note still reuses the cached prefix. And a photo already
 classified is not sent again: the reply cache (app/reply_cache.py) keys the reply by a
-SHA-256 of the prepared image as sent (the data URL of the CPU lane's re-encoded JPEG),
-the note and everything else that shapes the request (model, parameters, detail, schema
-— the taxonomy — and the prompt); concurrent scans of one new photo share one call.
+SHA-256 of the prepared image as sent (the CPU lane's JPEG: re-encoded, or the upload
+itself when it passes as it came), the note and everything else that shapes the request
+(model, parameters, detail, schema — the taxonomy — and the prompt); concurrent scans of
+one new photo share one call.
 Scans of an https URL are not cached: what the model's server fetches there may change.
 No perceptual hash either: a near-duplicate is not the same photo (another angle, a
 label now peeled off), and a wrong classification served from memory costs more than
