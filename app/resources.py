@@ -61,9 +61,9 @@ log = logging.getLogger("app")
 
 # Connections to the upstream: one per call in progress, and calls in progress are bounded
 # by the stage gates (VISION_/ANSWER_CONCURRENCY, default 64 each) and far below this;
-# keep-alive reuse matters more than the cap, so idle ones are kept generously.
+# keep-alive reuse matters more than the cap.
 UPSTREAM_MAX_CONNECTIONS = 2048
-UPSTREAM_MAX_KEEPALIVE = 512
+UPSTREAM_KEEPALIVE_S = 5.0  # an idle connection is closed after this long
 
 # Each close on the way out (pool, client, listener...) gets this long; the whole exit
 # stays well inside the drain's share of a 30 s termination grace.
@@ -251,23 +251,19 @@ async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[Cha
         write=settings.openai_connect_timeout_s,
         pool=settings.openai_connect_timeout_s,
     )
-    limits = httpx.Limits(
-        max_connections=UPSTREAM_MAX_CONNECTIONS, max_keepalive_connections=UPSTREAM_MAX_KEEPALIVE
-    )
+    # The SDK's client says how to talk to OpenAI (URL, headers, key, timeouts);
+    # ChatEndpoint sends that over aiohttp: with h11, httpx's default parser, parsing
+    # streamed chunks in pure Python was ~25% of the event loop.
     client = openai.AsyncOpenAI(
         api_key=api_key,
         base_url=base_url,
         max_retries=0,  # our retry loop owns retries; the SDK's would bypass the budget
         timeout=timeout,
-        # httpx's API over aiohttp's C HTTP parser (the SDK's own aiohttp option): with
-        # h11, parsing streamed chunks in pure Python was ~25% of the event loop.
-        http_client=(http := openai.DefaultAioHttpClient(timeout=timeout, limits=limits)),
     )
-    stack.push_async_callback(_bounded_close, "OpenAI client", client.close)
-    # The SDK imports its resource modules on first attribute access: ~0.5 s of
-    # imports that would otherwise stall the event loop inside the first scan.
-    _ = client.chat.completions.with_raw_response
-    return ChatEndpoint.of(client, http), base_url, simulator
+    await client.close()  # its own httpx client is never used
+    chat = ChatEndpoint.of(client, max_connections=UPSTREAM_MAX_CONNECTIONS, keepalive_s=UPSTREAM_KEEPALIVE_S)
+    stack.push_async_callback(_bounded_close, "OpenAI connections", chat.aclose)
+    return chat, base_url, simulator
 
 
 def _budgets(

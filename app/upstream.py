@@ -19,7 +19,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ import httpx
 import jiter
 import openai
 import orjson
+import yarl
 
 from app.errors import (
     ScanDeadlineExceeded,
@@ -118,37 +119,49 @@ class _Failed(Exception):
 
 @dataclass(frozen=True)
 class ChatEndpoint:
-    """POST /chat/completions as the SDK's client would: its base URL, its headers (API key,
-    User-Agent, X-Stainless-* platform headers) and its timeout, through its own httpx client
-    (the aiohttp transport), all taken from the client once at start-up. Per call only the
-    body is new: the SDK's per-request machinery (options model, header merge, URL join,
-    response wrappers) cost ~0.5 ms of CPU per call over this (k6/cpu_per_scan.py; README,
-    cost per scan). Errors are read here as OpenAI documents them (status, headers, JSON
-    `error` object), not through the SDK's exception classes."""
+    """POST /chat/completions as the SDK's client would send it: its base URL, its headers
+    (API key, User-Agent, X-Stainless-* platform headers) and its timeouts, taken from the
+    client once at start-up, sent over aiohttp, the HTTP client under the SDK's own aiohttp
+    option, without the SDK's and httpx's per-request layers in between. Per call only the
+    body is new: those layers (options model, header merges, httpx's request and response
+    models over the aiohttp transport, its exception mapping) cost ~0.8 ms of CPU per scan
+    over this (k6/cpu_per_scan.py; README, cost per scan). Replies are read here as OpenAI
+    documents them (status, headers, JSON `error` object), not through the SDK's classes."""
 
-    http: httpx.AsyncClient
-    url: httpx.URL
-    headers: httpx.Headers
-    extensions: dict[str, Any]
+    session: aiohttp.ClientSession
+    url: str
+    proxy: str | None  # HTTPS_PROXY / NO_PROXY, read once, as the SDK's client reads them
 
     @classmethod
-    def of(cls, client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> ChatEndpoint:
-        # The httpx client's own defaults (the Accept-Encoding it can decode...) under the
-        # SDK's, merged by name whatever the case, as the SDK's own requests have them.
-        headers = httpx.Headers(http.headers)
+    def of(cls, client: openai.AsyncOpenAI, *, max_connections: int, keepalive_s: float) -> ChatEndpoint:
         sdk = {**client.default_headers, **client.auth_headers, "X-Stainless-Retry-Count": "0"}
-        headers.update({k: v for k, v in sdk.items() if isinstance(v, str)})  # not the SDK's Omit
         timeout = (
             client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
         )
-        return cls(http, client.base_url.join("chat/completions"), headers, {"timeout": timeout.as_dict()})
-
-    async def post(self, body: bytes) -> httpx.Response:
-        """The response as soon as its head is in; the caller reads and closes it."""
-        request = httpx.Request(
-            "POST", self.url, headers=self.headers, content=body, extensions=self.extensions
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_s),
+            headers={k: v for k, v in sdk.items() if isinstance(v, str)},  # not the SDK's Omit
+            # What the SDK's aiohttp transport makes of the client's httpx timeout: `read`
+            # bounds every wait for bytes (between streamed chunks too), `pool` the wait for
+            # a connection, `connect` the connect itself. aiohttp has no write timeout.
+            timeout=aiohttp.ClientTimeout(
+                sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
+            ),
         )
-        return await self.http.send(request, stream=True)
+        url = str(client.base_url.join("chat/completions"))
+        try:
+            proxy: str | None = str(aiohttp.helpers.get_env_proxy_for_url(yarl.URL(url))[0])
+        except LookupError:
+            proxy = None
+        return cls(session, url, proxy)
+
+    async def post(self, body: bytes) -> aiohttp.ClientResponse:
+        """The response as soon as its head is in (redirects followed, as the SDK's client
+        does); the caller reads and releases it."""
+        return await self.session.post(self.url, data=body, proxy=self.proxy)
+
+    async def aclose(self) -> None:
+        await self.session.close()
 
 
 class Upstream:
@@ -266,21 +279,20 @@ class Upstream:
         try:
             response = await self._chat.post(orjson.dumps(_body(call, stream=read_stream is not None)))
             try:
-                if not response.is_success:  # a 3xx too, when the client did not follow it
-                    await response.aread()
-                    raise self._status_failure(call, budget, reservation, response)
-                self._observe(call, budget, response.headers, "2xx")
+                if not 200 <= response.status < 300:  # a 3xx too, when it was not followed
+                    raise self._status_failure(call, budget, reservation, response, await response.read())
+                self._observe(call, budget, response, "2xx")
                 if read_stream is None:
-                    usage = _read_completion(await response.aread(), result)
+                    usage = _read_completion(await response.read(), result)
                 else:
-                    usage = await read_stream(response.aiter_bytes(), result)
+                    usage = await read_stream(response.content.iter_any(), result)
             finally:
-                # Leaving, normally or by cancellation (client gone), closes the HTTP
-                # stream: that is how the upstream learns to stop generating.
-                await response.aclose()
-        except (httpx.RequestError, aiohttp.ClientError) as exc:
-            # Timeouts included; httpx_aiohttp passes some of aiohttp's errors (a malformed
-            # response, say) through untranslated.
+                # Leaving before the end (an error, or cancellation: the client is gone)
+                # closes the connection: that is how the upstream learns to stop generating.
+                # After the end, the connection goes back to the pool.
+                response.release()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # aiohttp's own timeouts (connect, pool, read) are TimeoutErrors too.
             raise self._transport_failure(call, reservation, exc, result) from exc
         if usage is not None:
             self._settle(call, reservation, usage, result)
@@ -299,27 +311,29 @@ class Upstream:
     def _transport_failure(
         self, call: ChatCall, reservation: Reservation, exc: Exception, result: ChatResult
     ) -> _Failed:
-        """Refused or unreachable is a connection failure, not a timeout (the aiohttp
-        transport reports a refused connect as `httpx.ConnectTimeout`); a request that never
-        left gets its reservation back."""
+        """Refused or unreachable is a connection failure, a connect or read that took too
+        long a timeout; a request that never left gets its reservation back."""
         self._count(call, "error")
-        chain = list(_causes(exc))
-        refused = any(isinstance(e, OSError) and not isinstance(e, TimeoutError) for e in chain)
-        never_sent = refused or any(isinstance(e, httpx.ConnectError | httpx.ConnectTimeout) for e in chain)
+        never_sent = isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
         if never_sent and not result.text:
             reservation.settle(None)
-        if not refused and any(isinstance(e, TimeoutError | httpx.TimeoutException) for e in chain):
+        if isinstance(exc, TimeoutError):
             return _Failed(UpstreamTimeout(), retry=True, reason="timeout")
         return _Failed(UpstreamError(), retry=True, reason="connection")
 
     def _status_failure(
-        self, call: ChatCall, budget: RateBudget, reservation: Reservation, response: httpx.Response
+        self,
+        call: ChatCall,
+        budget: RateBudget,
+        reservation: Reservation,
+        response: aiohttp.ClientResponse,
+        content: bytes,
     ) -> _Failed:
         headers = response.headers
-        status = response.status_code
-        body = _error_body(response.content)
+        status = response.status
+        body = _error_body(content)
         if status == 429:
-            self._observe(call, budget, headers, "429")
+            self._observe(call, budget, response, "429")
             code = _error_field(body, "code")
             kind = _error_field(body, "type") or "unknown"
             self._metrics.upstream_429.labels(call.model, str(code or kind)).inc()
@@ -331,7 +345,7 @@ class Upstream:
             budget.pause(wait_s if wait_s is not None else 1.0)
             return _Failed(UpstreamRateLimited(), retry=True, reason="429", wait_s=wait_s)
         status_class = f"{status // 100}xx"
-        self._observe(call, budget, headers, status_class)
+        self._observe(call, budget, response, status_class)
         if status >= 500 or status in (408, 409):
             return _Failed(
                 UpstreamError(),
@@ -339,13 +353,15 @@ class Upstream:
                 reason=status_class,
                 wait_s=retry_after_from_headers(headers),
             )
-        message = (_error_field(body, "message") or response.text)[:MAX_ERROR_BODY_CHARS]
+        message = (_error_field(body, "message") or content.decode("utf-8", "replace"))[:MAX_ERROR_BODY_CHARS]
         log.error("upstream rejected %s call with %d: %s", call.stage, status, message)
         return _Failed(UpstreamRejected(), retry=False, reason=status_class)
 
-    def _observe(self, call: ChatCall, budget: RateBudget, headers: httpx.Headers, status: str) -> None:
+    def _observe(
+        self, call: ChatCall, budget: RateBudget, response: aiohttp.ClientResponse, status: str
+    ) -> None:
         self._count(call, status)
-        limits = _ratelimit_headers(headers)
+        limits = _ratelimit_headers(response.raw_headers)
         budget.observe_headers(limits)
         for resource in ("requests", "tokens"):
             raw = limits.get(f"x-ratelimit-remaining-{resource}")
@@ -406,8 +422,8 @@ async def _read_chunks(
 ) -> _Usage | None:
     """Consume a Chat Completions event stream; returns the usage if it was sent.
 
-    Lines are split from raw bytes here rather than through httpx's text and line
-    decoders: two fewer async layers per chunk, and jiter parses bytes. A stream that
+    Lines are split from raw bytes here rather than by a line reader: one wake-up per
+    read, not per line, and jiter parses bytes. A stream that
     ends without `[DONE]` or without a finish reason was cut off on the way: retried."""
     usage: _Usage | None = None
     text = ""  # this attempt's: a retry starts again from nothing
@@ -463,12 +479,12 @@ def _read_chunk(payload: bytes, result: ChatResult) -> tuple[str, _Usage | None]
     return text, usage
 
 
-def _ratelimit_headers(headers: httpx.Headers) -> dict[str, str]:
+def _ratelimit_headers(raw_headers: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
     """The response's `x-ratelimit-*` headers by lower-case name, read once from the raw
-    list: httpx's own lookups decode every header of the response on every call."""
+    list rather than by one case-insensitive lookup each."""
     return {
         key.decode("latin-1").lower(): value.decode("latin-1")
-        for key, value in headers.raw
+        for key, value in raw_headers
         if key[:12].lower() == b"x-ratelimit-"
     }
 
@@ -496,15 +512,6 @@ def _check_finish(call: ChatCall, result: ChatResult) -> None:
         detail = "no visible reply" if not result.text else "the reply was incomplete"
         cut = UpstreamTokenLimit(f"The AI reply hit its {cap}-token limit ({detail}).")
         raise _Failed(cut, retry=False, reason="length")
-
-
-def _causes(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
 
 
 def _error_body(content: bytes) -> object:

@@ -238,7 +238,7 @@ class CannedUpstream:
 async def test_a_malformed_reply_is_a_retried_connection_error_not_an_internal_one(
     database_url: str, sim: RunningSimulator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # aiohttp refuses the header line; httpx_aiohttp passes its error on untranslated.
+    # aiohttp refuses the header line.
     garbled = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nno colon here\r\n\r\n{}"
     upstream = CannedUpstream(garbled)
     async with upstream as url, running_service(settings_for(database_url, sim, openai_base_url=url)) as svc:
