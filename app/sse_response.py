@@ -5,8 +5,9 @@ sse-starlette runs every response as an anyio task group of four tasks (the body
 pinger, a shutdown-signal listener and a disconnect listener) and wraps every send in
 an anyio cancel scope. Under load that was a tenth of the service's CPU
 (k6/cpu_per_scan.py --profile; README, cost per scan). Here the body is sent from the
-request's own task, each send bounded by `asyncio.timeout`; one small task waits for the
-client's disconnect; the ping is a timer that starts a task only when a ping is due
+request's own task; one timer, the watchdog, bounds every send by `send_timeout` (a timer
+per send would cost more than the send); one small task waits for the client's
+disconnect; the ping is a timer that starts a task only when a ping is due
 (scans are usually over before the first); the shutdown listener is not needed, since
 the drain ends every scan with a terminal event (app/drain.py) and the stream closes
 after it.
@@ -33,16 +34,14 @@ log = logging.getLogger(__name__)
 BODY_CLOSE_TIMEOUT_S = 5.0
 
 
-class _SendTimedOut(Exception):
-    """The client did not take a send for `send_timeout` seconds."""
-
-
 class LeanEventSourceResponse(EventSourceResponse):
     _stopped: str | None = None  # why the body stopped early: "disconnect" or "send timeout"
     _ended = False  # the last body message went out
     _stream_task: asyncio.Task[object] | None = None
     _ping_timer: asyncio.TimerHandle | None = None
     _ping_task: asyncio.Task[None] | None = None
+    _sending_since: float | None = None  # the loop's time when the send in progress began
+    _watchdog: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"].upper() == "HEAD":
@@ -53,10 +52,9 @@ class LeanEventSourceResponse(EventSourceResponse):
         self._lock = asyncio.Lock()
         listener = asyncio.create_task(self._listen_for_disconnect_and_stop(receive))
         self._arm_ping(send)
+        self._arm_watchdog()
         try:
             await self._send_body(send)
-        except _SendTimedOut:
-            pass
         except asyncio.CancelledError:
             if self._stopped is None or task.uncancel() > 0:
                 raise  # not (only) our own stop: someone else cancels this request
@@ -64,6 +62,8 @@ class LeanEventSourceResponse(EventSourceResponse):
             self.active = False
             listener.cancel()
             self._disarm_ping()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             async with asyncio.timeout(BODY_CLOSE_TIMEOUT_S):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
         if self._stopped == "send timeout":
@@ -87,14 +87,34 @@ class LeanEventSourceResponse(EventSourceResponse):
         self._ended = True
 
     async def _send(self, send: Send, chunk: bytes, *, more_body: bool = True) -> None:
-        """One body message, bounded by `send_timeout` (the last one too)."""
+        """One body message (the watchdog's to bound, the last one too)."""
         async with self._lock:
-            try:
-                async with asyncio.timeout(self.send_timeout):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
-            except TimeoutError:
-                self._stop("send timeout")
-                raise _SendTimedOut() from None
+            await self._send_now(send, chunk, more_body)
+
+    async def _send_now(self, send: Send, chunk: bytes, more_body: bool) -> None:
+        """With the lock held: the body's and the pings' messages go out one at a time."""
+        self._sending_since = asyncio.get_running_loop().time()
+        try:
+            await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+        finally:
+            self._sending_since = None
+
+    def _arm_watchdog(self, at: float | None = None) -> None:
+        if self.send_timeout is not None:
+            loop = asyncio.get_running_loop()
+            self._watchdog = loop.call_at(
+                loop.time() + self.send_timeout if at is None else at, self._check_send
+            )
+
+    def _check_send(self) -> None:
+        """Stop the stream if a send (the body's or a ping's) has waited `send_timeout`;
+        else look again when the send in progress, or the next, could have."""
+        assert self.send_timeout is not None
+        since, now = self._sending_since, asyncio.get_running_loop().time()
+        if since is not None and now - since >= self.send_timeout:
+            self._stop("send timeout")
+        else:
+            self._arm_watchdog((now if since is None else since) + self.send_timeout)
 
     async def _listen_for_disconnect_and_stop(self, receive: Receive) -> None:
         while self.active:
@@ -131,10 +151,5 @@ class LeanEventSourceResponse(EventSourceResponse):
         async with self._lock:
             if not self.active or self._ended:
                 return
-            try:
-                async with asyncio.timeout(self.send_timeout):
-                    await send({"type": "http.response.body", "body": ping, "more_body": True})
-            except TimeoutError:
-                self._stop("send timeout")
-                return
+            await self._send_now(send, ping, True)
         self._arm_ping(send)

@@ -422,29 +422,24 @@ async def _read_chunks(
 ) -> _Usage | None:
     """Consume a Chat Completions event stream; returns the usage if it was sent.
 
-    Lines are split from raw bytes here rather than by a line reader: one wake-up per
-    read, not per line, and jiter parses bytes. A stream that
-    ends without `[DONE]` or without a finish reason was cut off on the way: retried."""
+    Lines are split from raw bytes here rather than by a line reader (one wake-up per
+    read, not per line), and the chunks of one read are parsed by one jiter call. A stream
+    that ends without `[DONE]` or without a finish reason was cut off on the way: retried."""
     usage: _Usage | None = None
     text = ""  # this attempt's: a retry starts again from nothing
     buffer = b""
     async for data in stream:
-        buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        shown, done = text, False
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue  # blank separators, comments, `event:` lines
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                done = True
-                break
-            piece, chunk_usage = _read_chunk(payload, result)
-            text += piece
-            usage = chunk_usage or usage
-        if text != shown:
-            result.text = text
-            await on_text(text)
+        *lines, buffer = (buffer + data).split(b"\n")
+        payloads = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+        done = b"[DONE]" in payloads
+        if done:
+            del payloads[payloads.index(b"[DONE]") :]
+        if payloads:
+            piece, usage = _read_batch(payloads, result, usage)
+            if piece:
+                text += piece
+                result.text = text
+                await on_text(text)
         if done:
             if result.finish_reason is None:
                 break
@@ -454,28 +449,33 @@ async def _read_chunks(
     raise _Failed(UpstreamError(), retry=True, reason="truncated")
 
 
-def _read_chunk(payload: bytes, result: ChatResult) -> tuple[str, _Usage | None]:
-    """One streamed chunk: its text (refusal and finish reason go to `result`) and usage."""
+def _read_batch(payloads: list[bytes], result: ChatResult, usage: _Usage | None) -> tuple[str, _Usage | None]:
+    """Streamed chunks (`data:` payloads) as one JSON array: their text (refusal and finish
+    reason go to `result`) and the last usage seen."""
     try:
         # jiter: ~4x json.loads on these small chunks; caching only the keys, since their
-        # values (ids, text) rarely repeat: 1.5 vs 2.5 us a chunk.
-        chunk = jiter.from_json(payload, cache_mode="keys")
+        # values (ids, text) rarely repeat.
+        chunks = jiter.from_json(b"[" + b",".join(payloads) + b"]", cache_mode="keys")
     except ValueError:
         raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
-    if "error" in chunk:  # OpenAI reports some failures inside a started stream
-        raise _Failed(UpstreamError(), retry=True, reason="stream_error")
-    usage = _usage_of(chunk["usage"]) if chunk.get("usage") else None
     text = ""
-    for choice in chunk.get("choices") or ():
-        if choice.get("index", 0) != 0:
-            continue
-        if choice.get("finish_reason"):
-            result.finish_reason = choice["finish_reason"]
-        delta = choice.get("delta") or {}
-        if refusal := delta.get("refusal"):
-            result.refusal += refusal
-        if piece := delta.get("content"):
-            text += piece
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk")
+        if "error" in chunk:  # OpenAI reports some failures inside a started stream
+            raise _Failed(UpstreamError(), retry=True, reason="stream_error")
+        if chunk.get("usage"):
+            usage = _usage_of(chunk["usage"])
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+            delta = choice.get("delta") or {}
+            if refusal := delta.get("refusal"):
+                result.refusal += refusal
+            if piece := delta.get("content"):
+                text += piece
     return text, usage
 
 

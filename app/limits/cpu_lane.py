@@ -61,8 +61,30 @@ class CpuLane:
         except BaseException:
             self._release(queued_at, started_at)
             raise
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, queued_at, started_at))
-        return await asyncio.wrap_future(future)
+        # One hop back to the loop per job, releasing the slot and handing over the result
+        # together (asyncio.wrap_future plus a release callback would be two).
+        waiter: asyncio.Future[T] = loop.create_future()
+        future.add_done_callback(
+            lambda _: loop.call_soon_threadsafe(self._finish, future, waiter, queued_at, started_at)
+        )
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            future.cancel()  # if it has not started; a running thread finishes regardless
+            raise
+
+    def _finish(
+        self, future: Future[T], waiter: asyncio.Future[T], queued_at: float, started_at: float
+    ) -> None:
+        self._release(queued_at, started_at)
+        if waiter.cancelled():
+            return
+        if future.cancelled():
+            waiter.cancel()
+        elif (exc := future.exception()) is not None:
+            waiter.set_exception(exc)
+        else:
+            waiter.set_result(future.result())
 
     def _release(self, queued_at: float, started_at: float) -> None:
         self.busy -= 1
