@@ -15,6 +15,7 @@ budget); `ChatEndpoint` sends through it with what it was configured with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
@@ -99,11 +100,14 @@ def safety_identifier(user_id: str | None) -> str | None:
     return hashlib.sha256(b"ecoscan-user:" + user_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-# Called with everything this attempt has received so far. A retry starts again
-# from an empty text, so the consumer can tell a fresh attempt from a continuation.
-OnText = Callable[[str], Awaitable[None]]
+# Called with everything this attempt has received so far (a retry starts again from an
+# empty text, so the consumer can tell a fresh attempt from a continuation); returns how
+# long the consumer can do without more: the reader lets that much of the stream pile up.
+OnText = Callable[[str], Awaitable[float]]
+# Waits up to that long, less if the stream ends first.
+Pause = Callable[[float], Awaitable[None]]
 # Reads a streamed reply's bytes into the result; returns its usage, if it came.
-ReadStream = Callable[[AsyncIterator[bytes], "ChatResult"], Awaitable["_Usage | None"]]
+ReadStream = Callable[[AsyncIterator[bytes], Pause, "ChatResult"], Awaitable["_Usage | None"]]
 
 
 class _Failed(Exception):
@@ -193,14 +197,12 @@ class Upstream:
     async def complete(self, call: ChatCall, *, deadline: float) -> ChatResult:
         return await self._with_retries(call, deadline, None)
 
-    async def stream(
-        self, call: ChatCall, *, deadline: float, on_text: OnText, pace_s: float = 0.0
-    ) -> ChatResult:
-        """A streamed call; `on_text` gets the text so far after each read of the stream.
-        With `pace_s`, reads are at least that far apart: tokens arriving meanwhile wait in
-        the socket buffer and are parsed in one go (one wake-up, one `on_text`, instead of
-        one per token), for a reader that shows text at that pace anyway."""
-        return await self._with_retries(call, deadline, functools.partial(_read_chunks, on_text, pace_s))
+    async def stream(self, call: ChatCall, *, deadline: float, on_text: OnText) -> ChatResult:
+        """A streamed call; `on_text` gets the text so far after each read of the stream, and
+        says how long it can wait for more: the tokens arriving meanwhile wait in the
+        socket buffer and are parsed in one go (one wake-up, one `on_text`, instead of one
+        per token), for a consumer that shows text at its own pace anyway."""
+        return await self._with_retries(call, deadline, functools.partial(_read_chunks, on_text))
 
     async def _with_retries(
         self, call: ChatCall, deadline: float, read_stream: ReadStream | None
@@ -285,7 +287,8 @@ class Upstream:
                 if read_stream is None:
                     usage = _read_completion(await response.read(), result)
                 else:
-                    usage = await read_stream(response.content.iter_any(), result)
+                    pause = functools.partial(_until_eof, response.content)
+                    usage = await read_stream(response.content.iter_any(), pause, result)
             finally:
                 # Leaving before the end (an error, or cancellation: the client is gone)
                 # closes the connection: that is how the upstream learns to stop generating.
@@ -418,7 +421,7 @@ def _usage_of(u: dict[str, Any]) -> _Usage:
 
 
 async def _read_chunks(
-    on_text: OnText, pace_s: float, stream: AsyncIterator[bytes], result: ChatResult
+    on_text: OnText, stream: AsyncIterator[bytes], pause: Pause, result: ChatResult
 ) -> _Usage | None:
     """Consume a Chat Completions event stream; returns the usage if it was sent.
 
@@ -434,19 +437,27 @@ async def _read_chunks(
         done = b"[DONE]" in payloads
         if done:
             del payloads[payloads.index(b"[DONE]") :]
+        wait_s = 0.0
         if payloads:
             piece, usage = _read_batch(payloads, result, usage)
             if piece:
                 text += piece
                 result.text = text
-                await on_text(text)
+                wait_s = await on_text(text)
         if done:
             if result.finish_reason is None:
                 break
             return usage
-        if pace_s > 0:
-            await asyncio.sleep(pace_s)
+        if wait_s > 0:
+            await pause(wait_s)
     raise _Failed(UpstreamError(), retry=True, reason="truncated")
+
+
+async def _until_eof(content: aiohttp.StreamReader, seconds: float) -> None:
+    """A pause of the reader: tokens pile up unread meanwhile, unless the stream ends."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await content.wait_eof()
 
 
 def _read_batch(payloads: list[bytes], result: ChatResult, usage: _Usage | None) -> tuple[str, _Usage | None]:

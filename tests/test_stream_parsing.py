@@ -38,11 +38,12 @@ async def test_chunks_split_anywhere_give_the_same_text_and_usage(size: int) -> 
     )
     seen: list[str] = []
 
-    async def on_text(text: str) -> None:
+    async def on_text(text: str) -> float:
         seen.append(text)
+        return 0.0
 
     result = ChatResult()
-    usage = await _read_chunks(on_text, 0.0, feed(body, size), result)
+    usage = await _read_chunks(on_text, feed(body, size), asyncio.sleep, result)
     assert usage == (12, 3, 0, 0)
     assert result.text == "분리배출 하세요"
     # After each read, the text so far: once per piece when the pieces come one by one.
@@ -53,8 +54,9 @@ async def test_chunks_split_anywhere_give_the_same_text_and_usage(size: int) -> 
     assert result.finish_reason == "stop"
 
 
-async def test_with_a_pace_reads_are_that_far_apart_and_nothing_is_lost() -> None:
+async def test_the_reader_pauses_as_long_as_the_consumer_asks_and_nothing_is_lost() -> None:
     pulls: list[float] = []
+    pauses: list[float] = []
     loop = asyncio.get_running_loop()
 
     async def timed(data: bytes) -> AsyncIterator[bytes]:
@@ -62,27 +64,34 @@ async def test_with_a_pace_reads_are_that_far_apart_and_nothing_is_lost() -> Non
             pulls.append(loop.time())
             yield piece
 
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        await asyncio.sleep(seconds)
+
+    async def every_other(text: str) -> float:
+        return 0.02 if len(text) % 2 else 0.0  # a pause after odd lengths only
+
     pieces = [sse(content(str(i))) for i in range(9)] + [sse(content("!", "stop")), b"data: [DONE]\n\n"]
     result = ChatResult()
-    await _read_chunks(ignore, 0.02, timed(b"".join(pieces)), result)
+    await _read_chunks(every_other, timed(b"".join(pieces)), pause, result)
     assert result.text == "012345678!"
-    assert len(pulls) > 3
-    assert all(b - a >= 0.019 for a, b in itertools.pairwise(pulls))  # a timer may fire a hair early
+    assert pauses and all(p == 0.02 for p in pauses)
+    assert len(pulls) > len(pauses) + 1  # no pause after a 0, nor after the end
+    assert sum(b - a >= 0.019 for a, b in itertools.pairwise(pulls)) >= len(
+        pauses
+    )  # a timer may fire a hair early
 
 
 async def test_an_error_inside_the_stream_is_a_retryable_failure() -> None:
     body = sse(content("a")) + sse({"error": {"message": "overloaded"}})
 
-    async def on_text(_text: str) -> None:
-        return None
-
     with pytest.raises(_Failed) as failed:
-        await _read_chunks(on_text, 0.0, feed(body, 5), ChatResult())
+        await _read_chunks(ignore, feed(body, 5), asyncio.sleep, ChatResult())
     assert failed.value.retry and failed.value.reason == "stream_error"
 
 
-async def ignore(_text: str) -> None:
-    return None
+async def ignore(_text: str) -> float:
+    return 0.0
 
 
 @pytest.mark.parametrize(
@@ -94,7 +103,7 @@ async def ignore(_text: str) -> None:
 )
 async def test_a_stream_cut_off_before_its_finish_is_a_retryable_failure(body: bytes) -> None:
     with pytest.raises(_Failed) as failed:
-        await _read_chunks(ignore, 0.0, feed(body, 4), ChatResult())
+        await _read_chunks(ignore, feed(body, 4), asyncio.sleep, ChatResult())
     assert failed.value.retry and failed.value.reason == "truncated"
 
 
@@ -109,5 +118,5 @@ async def test_refusal_pieces_are_collected_apart_from_content() -> None:
     }
     body = sse(refusal) + sse(tail) + sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n"
     result = ChatResult()
-    assert await _read_chunks(ignore, 0.0, feed(body, 6), result) == (2048, 9, 4, 1920)
+    assert await _read_chunks(ignore, feed(body, 6), asyncio.sleep, result) == (2048, 9, 4, 1920)
     assert (result.refusal, result.text, result.finish_reason) == ("I can't help.", "", "stop")

@@ -98,26 +98,32 @@ class _DeltaWriter:
         self.sent = ""
         self.diverged = False
 
-    async def update(self, raw: str, *, final: bool = False) -> None:
+    async def update(self, raw: str, *, final: bool = False) -> float:
+        """Send what `raw` adds to the rendering, at most every `flush_s` (unless `final`);
+        returns how long until it would send again, for the reader to let the tokens of
+        that time pile up: 0 while there is nothing new to show, so the first text goes
+        out as soon as there is some."""
         if self.diverged:
-            return
+            return self._flush_s
         now = time.perf_counter()
-        if not final and now - self._last_flush < self._flush_s:
-            return
+        if not final and (wait_s := self._last_flush + self._flush_s - now) > 0:
+            return wait_s
         try:
             partial = jiter.from_json(raw.encode(), partial_mode="trailing-strings")
         except ValueError:
-            return  # not even a JSON prefix yet (or garbage: the final parse reports it)
+            return 0.0  # not even a JSON prefix yet (or garbage: the final parse reports it)
         if not isinstance(partial, dict):
-            return
+            return 0.0
         text = render(partial)
         if text.startswith(self.sent):
             if len(text) > len(self.sent):
                 delta, self.sent = text[len(self.sent) :], text
                 self._last_flush = now
                 await self._emit(delta)
+                return self._flush_s
         elif not self.sent.startswith(text):
             self.diverged = True  # a retry wrote something else: leave it to `done`
+        return 0.0
 
 
 class AnswerStage:
@@ -185,13 +191,9 @@ class AnswerStage:
         made: list[ChatResult] = []
 
         async def write() -> str:
-            # Deltas go out at most every `delta_flush_s`: reading the stream twice as often
-            # loses nothing a client sees, and parses many tokens per wake-up.
-            made.append(
-                await self._upstream.stream(
-                    call, deadline=ctx.deadline, on_text=writer.update, pace_s=self._delta_flush_s / 2
-                )
-            )
+            # Deltas go out at most every `delta_flush_s`, and the stream is read when the
+            # next may go: the tokens of the meantime are parsed in one wake-up.
+            made.append(await self._upstream.stream(call, deadline=ctx.deadline, on_text=writer.update))
             await writer.update(made[0].text, final=True)
             parse_answer(made[0].text)  # an unusable reply raises here: never kept, never shared
             return made[0].text

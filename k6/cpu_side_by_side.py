@@ -1,0 +1,179 @@
+"""CPU per completed scan of two builds side by side, under one load at the same time.
+
+On a shared machine the speed drifts between runs by more than a small change saves, so
+runs one after the other compare badly. Here two service processes run at once, this
+checkout's and another's (`--other DIR`: a `git worktree` of an older commit, say), on
+one simulator, and one k6 closed loop sends each user's scans to them turn by turn: both
+see the same load at the same moments, and the ratio of their CPU per scan is the figure
+to read (the absolute values are those of half the load each).
+
+    git worktree add /tmp/before <commit>
+    .venv/bin/python k6/cpu_side_by_side.py --other /tmp/before --repeat 3
+    .venv/bin/python k6/cpu_side_by_side.py --other . --other-app k6/lean_floor:app
+
+The recipe is k6/cpu_per_scan.py's (tiny JSON uploads, ~2 s of upstream time per scan,
+~60-token answers, no rate limits, reply caches off, stage gates for 200 users).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from cpu_per_scan import ANSWER_TOKENS, SIM_TIME_SCALE
+from sweep.k6_run import K6_GRACE_S, run_k6
+from sweep.processes import (
+    HOST,
+    Proc,
+    ensure_database,
+    find_k6,
+    free_port,
+    start,
+    stop,
+    venv_python,
+    wait_ready,
+)
+from sweep.prometheus import Window, scrape
+from sweep.sampler import Sampler
+
+# Run as a script: k6/ is on sys.path, so are cpu_per_scan and the sweep package.
+ROOT = Path(__file__).resolve().parent.parent
+
+SETTINGS = {
+    "MAX_INFLIGHT_SCANS": "4000",
+    "CPU_QUEUE_LIMIT": "4000",
+    "MAX_INFLIGHT_PER_USER": "100",
+    "VISION_CONCURRENCY": "200",
+    "ANSWER_CONCURRENCY": "200",
+    "VISION_CACHE_ENTRIES": "0",
+    "ANSWER_CACHE_ENTRIES": "0",
+    "OPENAI_RPM": "1000000",
+    "OPENAI_TPM": "1000000000",
+}
+START_TIMEOUT_S = 90.0
+WARMUP = ("2", "5s")  # users, duration: the first scans' one-off costs stay out of the run
+
+
+def service(
+    name: str, checkout: Path, app: str, sim_port: int, database_url: str, logs: Path
+) -> tuple[Proc, str]:
+    app_dir, _, module = app.rpartition("/")
+    port = free_port()
+    argv = [venv_python(), "-m", "uvicorn", module, "--http", "app.http_protocol:HttpToolsProtocol"]
+    # uvicorn puts --app-dir first on sys.path: the checkout's `app` package, not this one's.
+    argv += ["--app-dir", str(checkout / app_dir), "--host", HOST, "--port", str(port), "--no-access-log"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(checkout),
+        "DATABASE_URL": database_url,
+        "OPENAI_API_KEY": "sim",
+        "OPENAI_BASE_URL": f"http://{HOST}:{sim_port}/v1",
+        **SETTINGS,
+    }
+    proc = start(name, argv, env, logs / f"{name}.log")
+    url = f"http://{HOST}:{port}"
+    wait_ready(proc, url + "/readyz", START_TIMEOUT_S)
+    return proc, url
+
+
+def completed(before: object, after: object) -> float:
+    return Window(before, after).delta("ecoscan_scans_total", outcome="completed")  # type: ignore[arg-type]
+
+
+def one_run(args: argparse.Namespace, k6: str, logs: Path) -> dict[str, float]:
+    sim_port = free_port()
+    sim_argv = [venv_python(), "-m", "app.sim", "--host", HOST, "--port", str(sim_port)]
+    sim_argv += ["--time-scale", SIM_TIME_SCALE, "--rpm", "0", "--tpm", "0"]
+    sim_argv += ["--latency-sigma", "0", "--text-tokens", ANSWER_TOKENS]
+    procs: list[Proc] = []
+    try:
+        sim = start("simulator", sim_argv, dict(os.environ), logs / "sim.log")
+        procs.append(sim)
+        wait_ready(sim, f"http://{HOST}:{sim_port}/sim/stats", START_TIMEOUT_S)
+        # One after the other: each runs the migrations at start-up.
+        this, this_url = service("this", args.this.resolve(), args.app, sim_port, args.database_url, logs)
+        procs.append(this)
+        other, other_url = service(
+            "other", args.other.resolve(), args.other_app, sim_port, args.database_url, logs
+        )
+        procs.append(other)
+        env = {
+            **os.environ,
+            "BASE_URL": this_url,
+            "BASE_URLS": f"{this_url},{other_url}",
+            "FORM": "json",
+            "IMAGE_SET": "tiny",
+        }
+        env["REQ_TIMEOUT"] = "180s"
+        warm = {**env, "VUS": WARMUP[0], "DURATION": WARMUP[1]}
+        run_k6(k6, "closed.js", warm, logs / "warmup.log", 120, extra=("--no-thresholds",))
+        before = {url: scrape(url) for url in (this_url, other_url)}
+        sampler = Sampler({"this": this.popen.pid, "other": other.popen.pid})
+        sampler.start()
+        try:
+            measured = {**env, "VUS": str(args.vus), "DURATION": args.duration}
+            seconds = float(args.duration.rstrip("s"))
+            run_k6(
+                k6,
+                "closed.js",
+                measured,
+                logs / "k6.log",
+                seconds + K6_GRACE_S + 90,
+                extra=("--no-thresholds",),
+            )
+        finally:
+            resources = sampler.stop()
+        out = {}
+        for name, url in (("this", this_url), ("other", other_url)):
+            scans = completed(before[url], scrape(url))
+            out[name] = 1000 * resources[name]["cpu_s"] / scans if scans else float("nan")
+            out[f"{name}_scans"] = scans
+        return out
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--other", type=Path, required=True, help="the other checkout (a git worktree)")
+    p.add_argument(
+        "--this", type=Path, default=ROOT, help="this checkout (default: the one this script is in)"
+    )
+    p.add_argument("--app", default="app.main:app", help="this checkout's ASGI app")
+    p.add_argument(
+        "--other-app", default="app.main:app", help="the other's (k6/lean_floor:app: the lean floor)"
+    )
+    p.add_argument("--vus", type=int, default=200, help="users in all, half on each")
+    p.add_argument("--duration", default="40s")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "cpu-side-by-side", help="logs")
+    p.add_argument(
+        "--database-url",
+        default=os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
+    )
+    args = p.parse_args()
+    ensure_database(args.database_url)
+    k6 = find_k6(None)
+    ratios = []
+    for run in range(args.repeat):
+        r = one_run(args, k6, args.out / f"run-{run + 1}")
+        ratios.append(r["this"] / r["other"])
+        print(
+            f"run {run + 1}: this {r['this']:.2f} ms per scan ({r['this_scans']:.0f} scans), "
+            f"other {r['other']:.2f} ms ({r['other_scans']:.0f}), this/other {ratios[-1]:.3f}",
+            flush=True,
+        )
+    if len(ratios) > 1:
+        print(
+            f"this/other: mean {sum(ratios) / len(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}"
+        )
+    print(json.dumps({"ratios": ratios}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
