@@ -305,7 +305,8 @@ def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
     fmt = _check_type(data, limits)
     try:
         img = _open(data, fmt)
-        plan = _plan(img, data, limits)
+        as_is = _sendable_as_is(img, data, limits)
+        plan = _plan(img, data, limits, check_only=as_is)
         budget = decode_budget(limits.decode_budget)
         if plan.cost > budget.capacity:
             raise ImageTooManyPixels(
@@ -313,11 +314,13 @@ def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
                 f"{plan.cost / 2**20:.0f} MiB; the limit is {budget.capacity / 2**20:.0f} MiB."
             )
         with budget.hold(plan.cost):
-            img.load()  # the whole image decodes: a corrupt or truncated one fails here
-            orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
-            if _sendable_as_is(img, data, plan.size, orientation, limits):
+            # The whole image decodes (one sent as it came at 1/8 scale: every coefficient is
+            # still read, the inverse DCTs cost 1/64): a corrupt or truncated one fails here.
+            img.load()
+            if as_is:
                 prepared, size = data, plan.size
             else:
+                orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
                 prepared, size = _reencoded(img, plan.size, orientation, limits)
             img.close()
     except (ImageTooManyPixels, ImageTypeUnsupported):
@@ -341,17 +344,16 @@ def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
     )
 
 
-def _sendable_as_is(
-    img: Image.Image, data: bytes, size: tuple[int, int], orientation: int, limits: ImageLimits
-) -> bool:
+def _sendable_as_is(img: Image.Image, data: bytes, limits: ImageLimits) -> bool:
     """A JPEG that re-encoding would only make worse (a second lossy pass) and cost CPU for:
-    within the long side, upright, RGB or grey, not bloated, and nothing but a bare JFIF
-    image (`_bare_jfif`: nothing of the camera, place or person travels on). What our own
-    page sends, having downscaled the photo in a canvas (app/static/app.js)."""
+    within the long side, RGB or grey, not bloated, and nothing but a bare JFIF image
+    (`_bare_jfif`: nothing of the camera, place or person travels on, no EXIF orientation
+    either: it is upright). What our own page sends, having downscaled the photo in a
+    canvas (app/static/app.js). Decided from the header and the bytes, before decoding."""
+    size = img.size
     return (
         img.format == "JPEG"
         and max(size) <= limits.long_side
-        and orientation == 1
         and img.mode in ("RGB", "L")
         and len(data) <= size[0] * size[1] * AS_IS_MAX_BYTES_PER_PIXEL
         and _bare_jfif(data)
@@ -473,14 +475,18 @@ def _check_pixels(size: tuple[int, int], limits: ImageLimits) -> None:
         raise ImageTooManyPixels(f"The image has {pixels} pixels; the limit is {limits.max_pixels}.")
 
 
-def _plan(img: Image.Image, data: bytes, limits: ImageLimits) -> DecodePlan:
-    """Check the pixel count, set JPEG draft mode, and estimate the decode's memory."""
+def _plan(img: Image.Image, data: bytes, limits: ImageLimits, *, check_only: bool = False) -> DecodePlan:
+    """Check the pixel count, set JPEG draft mode, and estimate the decode's memory; with
+    `check_only`, a JPEG decodes at the smallest scale (the pixels are not used)."""
     size = img.size
     _check_pixels(size, limits)
     fmt = img.format or ""
     if fmt == "JPEG":
-        scale = min(1.0, limits.long_side / max(size))
-        img.draft("RGB", (max(1, math.ceil(size[0] * scale)), max(1, math.ceil(size[1] * scale))))
+        scale = 1 / 8 if check_only else min(1.0, limits.long_side / max(size))
+        img.draft(
+            img.mode if check_only else "RGB",
+            (max(1, math.ceil(size[0] * scale)), max(1, math.ceil(size[1] * scale))),
+        )
     w, h = img.size
     decoder = w * h * _BYTES_PER_PIXEL.get(img.mode, 4)
     if fmt == "GIF":

@@ -15,7 +15,6 @@ budget); `ChatEndpoint` sends through it with what it was configured with.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import hashlib
 import logging
@@ -454,10 +453,22 @@ async def _read_chunks(
 
 
 async def _until_eof(content: aiohttp.StreamReader, seconds: float) -> None:
-    """A pause of the reader: tokens pile up unread meanwhile, unless the stream ends."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(seconds):
-            await content.wait_eof()
+    """A pause of the reader: tokens pile up unread meanwhile, unless the stream ends. A
+    timer and the stream's end race to wake it (no cancellation, no exception: a timeout
+    scope that expires costs several times a timer)."""
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+    timer = loop.call_later(seconds, _wake, woken)
+    content.on_eof(functools.partial(_wake, woken))  # at once if it has ended
+    try:
+        await woken
+    finally:
+        timer.cancel()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _read_batch(payloads: list[bytes], result: ChatResult, usage: _Usage | None) -> tuple[str, _Usage | None]:
