@@ -36,7 +36,7 @@ from sweep.processes import (
     venv_python,
     wait_ready,
 )
-from sweep.prometheus import Window, scrape
+from sweep.prometheus import Samples, Window, scrape
 from sweep.sampler import Sampler
 
 # Run as a script: k6/ is on sys.path, so are cpu_per_scan and the sweep package.
@@ -79,8 +79,12 @@ def service(
     return proc, url
 
 
-def completed(before: object, after: object) -> float:
-    return Window(before, after).delta("ecoscan_scans_total", outcome="completed")  # type: ignore[arg-type]
+def completed(before: Samples, after: Samples) -> float | None:
+    """Completed scans by the service's own count; None from one that keeps none (the lean
+    floor): its share is what k6 saw complete less the other's."""
+    if "ecoscan_scans_total" not in after:
+        return None
+    return Window(before, after).delta("ecoscan_scans_total", outcome="completed")
 
 
 def one_run(args: argparse.Namespace, k6: str, logs: Path) -> dict[str, float]:
@@ -114,7 +118,12 @@ def one_run(args: argparse.Namespace, k6: str, logs: Path) -> dict[str, float]:
         sampler = Sampler({"this": this.popen.pid, "other": other.popen.pid})
         sampler.start()
         try:
-            measured = {**env, "VUS": str(args.vus), "DURATION": args.duration}
+            measured = {
+                **env,
+                "VUS": str(args.vus),
+                "DURATION": args.duration,
+                "SUMMARY_JSON": str(logs / "k6.json"),
+            }
             seconds = float(args.duration.rstrip("s"))
             run_k6(
                 k6,
@@ -126,11 +135,18 @@ def one_run(args: argparse.Namespace, k6: str, logs: Path) -> dict[str, float]:
             )
         finally:
             resources = sampler.stop()
+        seen = json.loads((logs / "k6.json").read_text())["metrics"]["scan_completed"]["values"]["count"]
+        counted = {
+            name: completed(before[url], scrape(url))
+            for name, url in (("this", this_url), ("other", other_url))
+        }
         out = {}
-        for name, url in (("this", this_url), ("other", other_url)):
-            scans = completed(before[url], scrape(url))
+        for name, other_name in (("this", "other"), ("other", "this")):
+            scans = counted[name]
+            if scans is None and counted[other_name] is not None:
+                scans = seen - counted[other_name]
             out[name] = 1000 * resources[name]["cpu_s"] / scans if scans else float("nan")
-            out[f"{name}_scans"] = scans
+            out[f"{name}_scans"] = scans or 0.0
         return out
     finally:
         for proc in reversed(procs):
