@@ -482,11 +482,11 @@ def _plan(img: Image.Image, data: bytes, limits: ImageLimits, *, check_only: boo
     _check_pixels(size, limits)
     fmt = img.format or ""
     if fmt == "JPEG":
-        scale = 1 / 8 if check_only else min(1.0, limits.long_side / max(size))
-        img.draft(
-            img.mode if check_only else "RGB",
-            (max(1, math.ceil(size[0] * scale)), max(1, math.ceil(size[1] * scale))),
-        )
+        if check_only:  # Pillow picks the scale from size // requested: 1/8 needs the floor
+            img.draft(img.mode, (max(1, size[0] // 8), max(1, size[1] // 8)))
+        else:
+            scale = min(1.0, limits.long_side / max(size))
+            img.draft("RGB", (max(1, math.ceil(size[0] * scale)), max(1, math.ceil(size[1] * scale))))
     w, h = img.size
     decoder = w * h * _BYTES_PER_PIXEL.get(img.mode, 4)
     if fmt == "GIF":

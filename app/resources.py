@@ -261,7 +261,9 @@ async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[Cha
         timeout=timeout,
     )
     await client.close()  # its own httpx client is never used
-    chat = ChatEndpoint.of(client, max_connections=UPSTREAM_MAX_CONNECTIONS, keepalive_s=UPSTREAM_KEEPALIVE_S)
+    chat = ChatEndpoint.open(
+        client, max_connections=UPSTREAM_MAX_CONNECTIONS, keepalive_s=UPSTREAM_KEEPALIVE_S
+    )
     stack.push_async_callback(_bounded_close, "OpenAI connections", chat.aclose)
     return chat, base_url, simulator
 

@@ -9,7 +9,7 @@ headers correct the budget; a 429 pauses the whole budget for `retry-after` so t
 other waiters do not hammer the upstream in the meantime.
 
 The SDK's client is configured with `max_retries=0` (its retries would bypass the
-budget); `ChatEndpoint` sends through it with what it was configured with.
+budget); `ChatEndpoint` sends what it would send (URL, headers, key, timeouts) over aiohttp.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ ENDPOINT = "chat.completions"
 MAX_REFUSAL_CHARS = 300
 # A rejection's message (or its body, if it is not OpenAI's JSON error) is logged this far.
 MAX_ERROR_BODY_CHARS = 300
+# After a stream's [DONE], how long its body's end may take to follow: a connection released
+# before it is closed rather than pooled (with OpenAI, a TLS handshake for the next call).
+STREAM_END_WAIT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -133,10 +136,14 @@ class ChatEndpoint:
 
     session: aiohttp.ClientSession
     url: str
-    proxy: str | None  # HTTPS_PROXY / NO_PROXY, read once, as the SDK's client reads them
+    # HTTP(S)_PROXY / NO_PROXY (credentials in the URL included), read once: aiohttp's own
+    # trust_env would read the environment and ~/.netrc again on every request.
+    proxy: yarl.URL | None
+    proxy_auth: aiohttp.BasicAuth | None
 
     @classmethod
-    def of(cls, client: openai.AsyncOpenAI, *, max_connections: int, keepalive_s: float) -> ChatEndpoint:
+    def open(cls, client: openai.AsyncOpenAI, *, max_connections: int, keepalive_s: float) -> ChatEndpoint:
+        """The endpoint and its connection pool (an aiohttp session: `aclose` it)."""
         sdk = {**client.default_headers, **client.auth_headers, "X-Stainless-Retry-Count": "0"}
         timeout = (
             client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
@@ -153,15 +160,15 @@ class ChatEndpoint:
         )
         url = str(client.base_url.join("chat/completions"))
         try:
-            proxy: str | None = str(aiohttp.helpers.get_env_proxy_for_url(yarl.URL(url))[0])
+            proxy, proxy_auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(url))
         except LookupError:
-            proxy = None
-        return cls(session, url, proxy)
+            proxy, proxy_auth = None, None
+        return cls(session, url, proxy, proxy_auth)
 
     async def post(self, body: bytes) -> aiohttp.ClientResponse:
         """The response as soon as its head is in (redirects followed, as the SDK's client
         does); the caller reads and releases it."""
-        return await self.session.post(self.url, data=body, proxy=self.proxy)
+        return await self.session.post(self.url, data=body, proxy=self.proxy, proxy_auth=self.proxy_auth)
 
     async def aclose(self) -> None:
         await self.session.close()
@@ -288,13 +295,14 @@ class Upstream:
                 else:
                     pause = functools.partial(_until_eof, response.content)
                     usage = await read_stream(response.content.iter_any(), pause, result)
+                    # [DONE] is in; the body's end may be a moment behind it.
+                    await pause(STREAM_END_WAIT_S)
             finally:
                 # Leaving before the end (an error, or cancellation: the client is gone)
                 # closes the connection: that is how the upstream learns to stop generating.
                 # After the end, the connection goes back to the pool.
                 response.release()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            # aiohttp's own timeouts (connect, pool, read) are TimeoutErrors too.
+        except aiohttp.ClientError as exc:  # its timeouts (connect, pool, read) included
             raise self._transport_failure(call, reservation, exc, result) from exc
         if usage is not None:
             self._settle(call, reservation, usage, result)

@@ -11,7 +11,8 @@ to read (the absolute values are those of half the load each).
     .venv/bin/python k6/cpu_side_by_side.py --other /tmp/before --repeat 3
     .venv/bin/python k6/cpu_side_by_side.py --other . --other-app k6/lean_floor:app
 
-The recipe is k6/cpu_per_scan.py's (tiny JSON uploads, ~2 s of upstream time per scan,
+Both run on this checkout's virtualenv: the other checkout's dependencies must be
+installed in it too. The recipe is k6/cpu_per_scan.py's (tiny JSON uploads, ~2 s of upstream time per scan,
 ~60-token answers, no rate limits, reply caches off, stage gates for 200 users).
 """
 
@@ -58,12 +59,14 @@ WARMUP = ("2", "5s")  # users, duration: the first scans' one-off costs stay out
 
 
 def service(
-    name: str, checkout: Path, app: str, sim_port: int, database_url: str, logs: Path
-) -> tuple[Proc, str]:
+    name: str, checkout: Path, app: str, sim_port: int, database_url: str, logs: Path, procs: list[Proc]
+) -> str:
+    """Start `checkout`'s `app` (ready when this returns; in `procs` as soon as it runs)."""
     app_dir, _, module = app.rpartition("/")
     port = free_port()
-    argv = [venv_python(), "-m", "uvicorn", module, "--http", "app.http_protocol:HttpToolsProtocol"]
-    # uvicorn puts --app-dir first on sys.path: the checkout's `app` package, not this one's.
+    # -P: not this checkout's working directory first on sys.path, but PYTHONPATH: each
+    # service imports its own checkout's `app` package (--app-dir: an app in a folder).
+    argv = [venv_python(), "-P", "-m", "uvicorn", module, "--http", "app.http_protocol:HttpToolsProtocol"]
     argv += ["--app-dir", str(checkout / app_dir), "--host", HOST, "--port", str(port), "--no-access-log"]
     env = {
         **os.environ,
@@ -73,10 +76,26 @@ def service(
         "OPENAI_BASE_URL": f"http://{HOST}:{sim_port}/v1",
         **SETTINGS,
     }
-    proc = start(name, argv, env, logs / f"{name}.log")
+    procs.append(proc := start(name, argv, env, logs / f"{name}.log"))
     url = f"http://{HOST}:{port}"
     wait_ready(proc, url + "/readyz", START_TIMEOUT_S)
-    return proc, url
+    return url
+
+
+def seconds(duration: str) -> float:
+    """k6's `40s`, `2m` or `1m30s` in seconds."""
+    total, number = 0.0, ""
+    for ch in duration:
+        if ch.isdigit() or ch == ".":
+            number += ch
+        elif ch in "hms" and number:
+            total += float(number) * {"h": 3600, "m": 60, "s": 1}[ch]
+            number = ""
+        else:
+            raise argparse.ArgumentTypeError(f"not a k6 duration: {duration!r}")
+    if number:
+        raise argparse.ArgumentTypeError(f"not a k6 duration (a unit is missing): {duration!r}")
+    return total
 
 
 def completed(before: Samples, after: Samples) -> float | None:
@@ -94,16 +113,14 @@ def one_run(args: argparse.Namespace, k6: str, logs: Path) -> dict[str, float]:
     sim_argv += ["--latency-sigma", "0", "--text-tokens", ANSWER_TOKENS]
     procs: list[Proc] = []
     try:
-        sim = start("simulator", sim_argv, dict(os.environ), logs / "sim.log")
-        procs.append(sim)
+        procs.append(sim := start("simulator", sim_argv, dict(os.environ), logs / "sim.log"))
         wait_ready(sim, f"http://{HOST}:{sim_port}/sim/stats", START_TIMEOUT_S)
         # One after the other: each runs the migrations at start-up.
-        this, this_url = service("this", args.this.resolve(), args.app, sim_port, args.database_url, logs)
-        procs.append(this)
-        other, other_url = service(
-            "other", args.other.resolve(), args.other_app, sim_port, args.database_url, logs
+        this_url = service("this", args.this.resolve(), args.app, sim_port, args.database_url, logs, procs)
+        other_url = service(
+            "other", args.other.resolve(), args.other_app, sim_port, args.database_url, logs, procs
         )
-        procs.append(other)
+        this, other = procs[1], procs[2]
         env = {
             **os.environ,
             "BASE_URL": this_url,
@@ -124,17 +141,18 @@ def one_run(args: argparse.Namespace, k6: str, logs: Path) -> dict[str, float]:
                 "DURATION": args.duration,
                 "SUMMARY_JSON": str(logs / "k6.json"),
             }
-            seconds = float(args.duration.rstrip("s"))
-            run_k6(
+            exit_code = run_k6(
                 k6,
                 "closed.js",
                 measured,
                 logs / "k6.log",
-                seconds + K6_GRACE_S + 90,
+                seconds(args.duration) + K6_GRACE_S + 90,
                 extra=("--no-thresholds",),
             )
         finally:
             resources = sampler.stop()
+        if exit_code != 0:  # --no-thresholds: any exit but 0 is a failed run
+            raise RuntimeError(f"k6 exited with {exit_code}; see {logs / 'k6.log'}")
         seen = json.loads((logs / "k6.json").read_text())["metrics"]["scan_completed"]["values"]["count"]
         counted = {
             name: completed(before[url], scrape(url))
@@ -164,7 +182,7 @@ def main() -> int:
         "--other-app", default="app.main:app", help="the other's (k6/lean_floor:app: the lean floor)"
     )
     p.add_argument("--vus", type=int, default=200, help="users in all, half on each")
-    p.add_argument("--duration", default="40s")
+    p.add_argument("--duration", default="40s", help="k6's duration (40s, 2m)")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "cpu-side-by-side", help="logs")
     p.add_argument(
@@ -172,6 +190,7 @@ def main() -> int:
         default=os.environ.get("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"),
     )
     args = p.parse_args()
+    seconds(args.duration)  # a bad duration fails here, not after start-up
     ensure_database(args.database_url)
     k6 = find_k6(None)
     ratios = []

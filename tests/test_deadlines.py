@@ -86,3 +86,23 @@ async def test_cpu_lane_slot_is_held_until_the_thread_finishes_even_if_the_calle
     finally:
         release.set()
         lane.shutdown()
+
+
+async def test_cpu_lane_hands_over_results_and_errors_even_if_an_observer_fails() -> None:
+    lane = CpuLane(max_workers=1, queue_limit=4)
+
+    def broken_observer(_queue_s: float, _run_s: float) -> None:
+        raise RuntimeError("observer bug")
+
+    lane.observers.append(broken_observer)
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, _context: None)  # the observer's error, logged by the loop
+    try:
+        async with asyncio.timeout(5):
+            assert await lane.run(sum, [1, 2]) == 3
+            with pytest.raises(ZeroDivisionError):
+                await lane.run(divmod, 1, 0)
+        assert lane.busy == 0
+    finally:
+        loop.set_exception_handler(None)
+        lane.shutdown()

@@ -7,9 +7,11 @@ import itertools
 import json
 from collections.abc import AsyncIterator, Mapping
 
+import aiohttp
 import pytest
+from aiohttp.base_protocol import BaseProtocol
 
-from app.upstream import ChatResult, _Failed, _read_chunks
+from app.upstream import ChatResult, _Failed, _read_chunks, _until_eof
 
 
 def sse(chunk: Mapping[str, object]) -> bytes:
@@ -120,3 +122,23 @@ async def test_refusal_pieces_are_collected_apart_from_content() -> None:
     result = ChatResult()
     assert await _read_chunks(ignore, feed(body, 6), asyncio.sleep, result) == (2048, 9, 4, 1920)
     assert (result.refusal, result.text, result.finish_reason) == ("I can't help.", "", "stop")
+
+
+def stream_reader() -> aiohttp.StreamReader:
+    loop = asyncio.get_running_loop()
+    return aiohttp.StreamReader(BaseProtocol(loop), 2**16, loop=loop)
+
+
+async def test_a_pause_ends_on_its_timer_or_at_once_when_the_stream_ends() -> None:
+    loop = asyncio.get_running_loop()
+    content = stream_reader()
+    started = loop.time()
+    await _until_eof(content, 0.05)  # nothing ends it early
+    assert loop.time() - started >= 0.04
+    pausing = asyncio.create_task(_until_eof(content, 30))
+    await asyncio.sleep(0.01)
+    content.feed_eof()
+    async with asyncio.timeout(1):  # woken by the end, not after 30 s
+        await pausing
+    async with asyncio.timeout(1):  # ended already: no wait at all
+        await _until_eof(content, 30)

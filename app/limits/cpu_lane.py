@@ -76,15 +76,11 @@ class CpuLane:
     def _finish(
         self, future: Future[T], waiter: asyncio.Future[T], queued_at: float, started_at: float
     ) -> None:
-        self._release(queued_at, started_at)
-        if waiter.cancelled():
-            return
-        if future.cancelled():
-            waiter.cancel()
-        elif (exc := future.exception()) is not None:
-            waiter.set_exception(exc)
-        else:
-            waiter.set_result(future.result())
+        try:
+            self._release(queued_at, started_at)
+        finally:  # the caller wakes whatever an observer does
+            if not waiter.cancelled():
+                _copy_outcome(future, waiter)
 
     def _release(self, queued_at: float, started_at: float) -> None:
         self.busy -= 1
@@ -95,3 +91,12 @@ class CpuLane:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _copy_outcome(future: Future[T], waiter: asyncio.Future[T]) -> None:
+    if future.cancelled():
+        waiter.cancel()
+    elif (exc := future.exception()) is not None:
+        waiter.set_exception(exc)
+    else:
+        waiter.set_result(future.result())
