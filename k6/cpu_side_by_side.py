@@ -24,7 +24,14 @@ import os
 import sys
 from pathlib import Path
 
-from cpu_per_scan import ANSWER_TOKENS, SIM_TIME_SCALE
+from cpu_per_scan import (
+    ANSWER_TOKENS,
+    CACHES_OFF,
+    RECIPE_SETTINGS,
+    SERVICE_RPM,
+    SERVICE_TPM,
+    SIM_TIME_SCALE,
+)
 from sweep.k6_run import K6_GRACE_S, run_k6
 from sweep.processes import (
     HOST,
@@ -43,17 +50,7 @@ from sweep.sampler import Sampler
 # Run as a script: k6/ is on sys.path, so are cpu_per_scan and the sweep package.
 ROOT = Path(__file__).resolve().parent.parent
 
-SETTINGS = {
-    "MAX_INFLIGHT_SCANS": "4000",
-    "CPU_QUEUE_LIMIT": "4000",
-    "MAX_INFLIGHT_PER_USER": "100",
-    "VISION_CONCURRENCY": "200",
-    "ANSWER_CONCURRENCY": "200",
-    "VISION_CACHE_ENTRIES": "0",
-    "ANSWER_CACHE_ENTRIES": "0",
-    "OPENAI_RPM": "1000000",
-    "OPENAI_TPM": "1000000000",
-}
+SETTINGS = {**RECIPE_SETTINGS, **CACHES_OFF, "OPENAI_RPM": SERVICE_RPM, "OPENAI_TPM": SERVICE_TPM}
 START_TIMEOUT_S = 90.0
 WARMUP = ("2", "5s")  # users, duration: the first scans' one-off costs stay out of the run
 
