@@ -29,6 +29,7 @@ from app.errors import (
     ScanDeadlineExceeded,
     ServerShutdown,
 )
+from app.finished_scans import FinishedScans
 from app.limits.clock import Clock
 from app.metrics import Metrics
 from app.scan_context import AcceptedScan, ScanContext
@@ -45,9 +46,6 @@ log = logging.getLogger(__name__)
 # pace until the scan's deadline, since `done` may only go out after that commit.
 COMMIT_FIRST_RETRY_S = 0.2
 COMMIT_MAX_RETRY_S = 2.0
-# How long an ended scan's run stays in memory after its task ends: a resume arriving
-# while its terminal row is still being written (or deferred) follows the memory log.
-FINISHED_RUN_KEPT_S = 60.0
 
 
 class ScanPipeline:
@@ -72,9 +70,11 @@ class ScanPipeline:
         self._clock = clock
         self._on_finished = on_finished
         self.running: dict[asyncio.Task[None], ScanRun] = {}
-        # By scan id, running or just ended (kept FINISHED_RUN_KEPT_S for resumes that
-        # race the terminal row): what GET /api/v1/scan/{id}/events follows live.
+        # By scan id, while running: what GET /api/v1/scan/{id}/events follows live...
         self.runs: dict[uuid.UUID, ScanRun] = {}
+        # ...and once ended, the terminal row for a while (resumes that race the row's
+        # write, or a row the database has not taken yet).
+        self.finished = FinishedScans()
         self.accepting = True
         self._shutting_down = False
         self._row_writes: set[asyncio.Task[None]] = set()
@@ -96,9 +96,11 @@ class ScanPipeline:
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         run = self.running.pop(task, None)
-        if run is not None:
-            scan_id = run.scan.id
-            asyncio.get_running_loop().call_later(FINISHED_RUN_KEPT_S, self.runs.pop, scan_id, None)
+        if run is None:
+            return
+        self.runs.pop(run.scan.id, None)
+        if (stored := run.as_stored()) is not None:
+            self.finished.keep(stored)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for every running scan to end; True if they all did."""
@@ -134,8 +136,8 @@ class ScanPipeline:
             if run.cancel_requested:
                 raise asyncio.CancelledError()
             await self._stages(scan, events, progress, deadline)
-            done = await self._commit_completed(scan, events, progress, deadline)
-            run.ended("completed")
+            done, stored_log = await self._commit_completed(scan, events, progress, deadline)
+            run.ended("completed", stored_log)
             events.publish(done)
             outcome = "completed"
             self._metrics.scans.labels("completed", "").inc()
@@ -171,18 +173,19 @@ class ScanPipeline:
 
     async def _commit_completed(
         self, scan: AcceptedScan, events: EventLog, progress: ScanProgress, deadline: float
-    ) -> LogEntry:
-        """The `done` entry, committed with the row (and the whole log) before anyone
-        sees it; while the database is away the finished scan waits for it, up to its
-        deadline, then fails with DATABASE_ERROR."""
+    ) -> tuple[LogEntry, str]:
+        """The `done` entry and the log stored with it, committed with the row before
+        anyone sees it; while the database is away the finished scan waits for it, up to
+        its deadline, then fails with DATABASE_ERROR."""
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
         done = events.next_entry(ScanDone("done", progress.result, progress.timings), 100)
-        row = TerminalRow("completed", progress.result, progress.timings, events=events.to_json(done))
+        stored_log = events.to_json(done)
+        row = TerminalRow("completed", progress.result, progress.timings, events=stored_log)
         delay = COMMIT_FIRST_RETRY_S
         while True:
             try:
                 await self._store.finish(scan.id, row)
-                return done
+                return done, stored_log
             except DatabaseError:
                 if self._clock.now() + delay >= deadline:
                     raise
@@ -223,12 +226,9 @@ class ScanPipeline:
         scan, events = run.scan, run.log
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
         terminal = events.next_entry(ScanErrored(step, error.code, error.message, error.retryable))
+        stored_log = events.to_json(terminal)
         row = TerminalRow(
-            status,
-            progress.result,
-            progress.timings,
-            (step, error.code, error.message),
-            events=events.to_json(terminal),
+            status, progress.result, progress.timings, (step, error.code, error.message), events=stored_log
         )
         writing = asyncio.create_task(self._write_terminal_row(scan, row))
         # Held until done: a write that outlives a cancelled scan must not be collected.
@@ -237,7 +237,7 @@ class ScanPipeline:
         try:
             await asyncio.shield(writing)
         finally:
-            run.ended(status)
+            run.ended(status, stored_log)
             events.publish(terminal)
 
     async def _write_terminal_row(self, scan: AcceptedScan, row: TerminalRow) -> None:

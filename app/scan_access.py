@@ -5,8 +5,9 @@ Who owns a scan: the user who created it, or, for an anonymous scan, whoever hol
 capability token returned once in `X-Scan-Token` when it was created. Anyone else gets
 404 `SCAN_NOT_FOUND`, exactly as for a scan that does not exist.
 
-Where a scan is read from: this process's memory while it runs here (and a minute
-after), else the database, whose row holds the event log as it was sent. A scan
+Where a scan is read from: this process's memory while it runs here (and, as the row it
+wrote, a minute after: app/finished_scans.py), else the database, whose row holds the
+event log as it was sent. A scan
 running on another replica (its row `running`, no run here) is followed through the
 Redis Stream its owner mirrors its events to (app/scan_streams.py) when REDIS_URL is
 set; without Redis, or while that stream cannot serve the position, it is 409
@@ -146,10 +147,12 @@ class ScanAccess:
         if run is not None:
             _check_owner(run.scan.user_id, run.token_sha256, reader)
             return run, None
-        try:
-            stored = await self._store.load(scan_id)
-        except DatabaseError:
-            raise DatabaseUnavailable() from None
+        stored = self._pipeline.finished.get(scan_id)
+        if stored is None:
+            try:
+                stored = await self._store.load(scan_id)
+            except DatabaseError:
+                raise DatabaseUnavailable() from None
         if stored is None:
             raise ScanNotFound()
         _check_owner(stored.user_id, stored.token_sha256, reader)

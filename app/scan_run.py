@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from app.errors import EcoscanError
 from app.scan_context import AcceptedScan
 from app.scan_events import EventLog
+from app.scan_store import StoredScan
 
 
 class ScanRun:
@@ -36,6 +37,7 @@ class ScanRun:
         self.created_at = datetime.now(UTC)
         self.finished_at: datetime | None = None
         self.status = "running"  # then the row's terminal status
+        self.stored_log: str | None = None  # the event log as its terminal row holds it
         self.log = EventLog()
         self.task: asyncio.Task[None] | None = None
         self.started = False
@@ -47,9 +49,25 @@ class ScanRun:
         self._followed_elsewhere = followed_elsewhere
         self._asking: asyncio.Task[None] | None = None  # is it followed elsewhere?
 
-    def ended(self, status: str) -> None:
+    def ended(self, status: str, stored_log: str) -> None:
+        """The terminal row (`status`, the whole log as `stored_log`) is written or deferred."""
         self.status = status
+        self.stored_log = stored_log
         self.finished_at = datetime.now(UTC)
+
+    def as_stored(self) -> StoredScan | None:
+        """The ended scan as its terminal row; None if it has not ended."""
+        if self.stored_log is None:
+            return None
+        return StoredScan(
+            id=self.scan.id,
+            user_id=self.scan.user_id,
+            status=self.status,
+            created_at=self.created_at,
+            finished_at=self.finished_at,
+            event_log=self.stored_log,
+            token_sha256=self.token_sha256,
+        )
 
     @property
     def done(self) -> bool:

@@ -8,15 +8,26 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import asyncpg
 import pytest
 
+from app.finished_scans import FinishedScans
 from app.metrics import Metrics
 from app.resources import Resources, lifespan_resources
 from app.scan_context import AcceptedScan
-from app.scan_events import AnswerDelta, LogEntry, ScanDone, ScanErrored, StageCompleted, StageStarted
+from app.scan_events import (
+    AnswerDelta,
+    EventLog,
+    LogEntry,
+    ScanDone,
+    ScanErrored,
+    StageCompleted,
+    StageStarted,
+)
 from app.scan_input import parse_scan_body
+from app.scan_store import StoredScan
 from app.sim.server import RunningSimulator
 from app.stage_runner import progress_spans
 
@@ -105,6 +116,43 @@ async def test_a_late_reader_replays_the_log_from_any_point(resources: Resources
     assert from_third == everything[2:]
     assert run.task is not None
     await run.task
+
+
+async def test_an_ended_scan_is_kept_as_the_row_it_wrote_not_as_its_run(
+    resources: Resources, db: asyncpg.Connection
+) -> None:
+    """After its task ends, a scan is no longer a run (events, task, input) but, for a
+    while, the terminal row it wrote: the same status and the same stored log."""
+    scan, entries = await start_scan(resources, 65, user="kept-after-end")
+    await asyncio.sleep(0)  # the task's done callbacks
+    assert scan.id not in resources.pipeline.runs
+    kept = resources.pipeline.finished.get(scan.id)
+    assert kept is not None and kept.event_log is not None
+    row = await scan_row(db, str(scan.id))
+    assert (kept.status, kept.user_id, kept.token_sha256) == (row["status"], "kept-after-end", None)
+    assert json.loads(kept.event_log) == json.loads(row["event_log"])
+    replayed = EventLog.from_json(kept.event_log).entries
+    assert [(e.seq, e.progress, e.event.kind, e.event.fields()) for e in replayed] == [
+        (e.seq, e.progress, e.event.kind, json.loads(json.dumps(e.event.fields()))) for e in entries
+    ]
+
+
+def test_finished_scans_expire_in_the_order_they_ended_without_timers() -> None:
+    now = [100.0]
+    kept = FinishedScans(kept_s=60.0, clock=lambda: now[0])
+
+    def ended(n: int) -> StoredScan:
+        return StoredScan(uuid.UUID(int=n), None, "completed", datetime.now(UTC), None, "[]", None)
+
+    first, second = ended(1), ended(2)
+    kept.keep(first)
+    now[0] = 130.0
+    kept.keep(second)
+    assert kept.get(first.id) is first and len(kept) == 2
+    now[0] = 160.0  # the first has been kept 60 s
+    assert kept.get(first.id) is None and kept.get(second.id) is second and len(kept) == 1
+    now[0] = 190.0
+    assert kept.get(second.id) is None and len(kept) == 0
 
 
 def test_progress_spans_and_owed_calls_come_from_the_stage_list(resources: Resources) -> None:
