@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 
 from app.drain import SignalRouter
 from app.errors import ClientDisconnected, EcoscanError, Overloaded
+from app.heap import tuned_heap
 from app.metrics import Metrics
 from app.openapi import install_openapi
 from app.page import router as page_router
@@ -42,7 +43,8 @@ def create_app(settings: Settings | None = None, *, metrics: Metrics | None = No
                 log.info("SIGTERM/SIGINT drain in-flight scans for up to %.0f s", settings.shutdown_drain_s)
             log.info("ecoscan ready")
             try:
-                yield {"resources": resources}
+                with tuned_heap(settings.gc_young_threshold):  # start-up objects frozen from here
+                    yield {"resources": resources}
             finally:
                 signals.restore()
 

@@ -100,6 +100,9 @@ class Settings:
     idempotency_ttl_s: float = 24 * 3600.0
     scan_retention_days: float = 30.0
     log_level: str = "INFO"
+    # The garbage collector (app/heap.py): start-up objects frozen, a young generation of
+    # this many allocations, a full collection every 10 s. 0: Python's own settings.
+    gc_young_threshold: int = 20_000
 
     # --- identity ---
     # Who the caller is (app/identity.py): a gateway's X-User-ID, or a verified bearer JWT.
@@ -227,6 +230,7 @@ _MAY_BE_ZERO = {
     "answer_cache_bytes",
     "answer_cache_ttl_s",
     "disconnect_grace_s",
+    "gc_young_threshold",
 }
 
 
