@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp.base_protocol import BaseProtocol
 
-from app.upstream import ChatResult, _Failed, _read_chunks, _until_eof
+from app.upstream import ChatResult, StallWatch, _Failed, _read_chunks, _until_eof
 
 
 def sse(chunk: Mapping[str, object]) -> bytes:
@@ -142,3 +142,32 @@ async def test_a_pause_ends_on_its_timer_or_at_once_when_the_stream_ends() -> No
         await pausing
     async with asyncio.timeout(1):  # ended already: no wait at all
         await _until_eof(content, 30)
+
+
+async def test_a_stall_watch_fails_a_body_only_after_a_whole_timeout_without_a_byte() -> None:
+    loop = asyncio.get_running_loop()
+    content = stream_reader()
+    watch = StallWatch(content, 0.2)
+    for _ in range(6):  # a byte every 0.1 s for 0.6 s: slow, never stalled
+        await asyncio.sleep(0.1)
+        content.feed_data(b".")
+        assert content.exception() is None
+    last_byte = loop.time()
+    async with asyncio.timeout(5):
+        while content.exception() is None:
+            await asyncio.sleep(0.01)
+    assert isinstance(content.exception(), aiohttp.SocketTimeoutError)
+    assert loop.time() - last_byte >= 0.2
+    watch.stop()
+
+
+async def test_a_stall_watch_leaves_an_ended_or_stopped_body_alone() -> None:
+    ended = stream_reader()
+    StallWatch(ended, 0.04)
+    ended.feed_data(b"all of it")
+    ended.feed_eof()
+    stopped = stream_reader()
+    StallWatch(stopped, 0.04).stop()
+    await asyncio.sleep(0.2)
+    assert await ended.read() == b"all of it" and ended.exception() is None
+    assert stopped.exception() is None
