@@ -193,8 +193,9 @@ def _looks_like_svg(data: bytes) -> bool:
     return text.startswith((b"<?xml", b"<!doctype svg", b"<!--")) and b"<svg" in text
 
 
-def decode_data_url(url: str, max_bytes: int) -> bytes:
-    """`data:image/png;base64,....` -> bytes, checking the declared type and size."""
+def decode_data_url(url: str, max_bytes: int) -> tuple[bytes, str]:
+    """`data:image/png;base64,....` -> its bytes and their base64 text, checking the
+    declared type and size."""
     header, sep, payload = url.partition(",")
     if not sep or not header.startswith("data:"):
         raise ImageInvalid("Malformed data URL.")
@@ -208,12 +209,14 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     if len(payload) // 4 * 3 > max_bytes + 3:
         raise ImageTooLarge()
     try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
+        # Strict: only the base64 alphabet and correct padding, as b64decode's validate=True,
+        # without its regular expression over the whole payload first.
+        data = binascii.a2b_base64(payload, strict_mode=True)
+    except (binascii.Error, ValueError):  # ValueError: not ASCII
         raise ImageInvalid("The data URL is not valid base64.") from None
     if len(data) > max_bytes:
         raise ImageTooLarge()
-    return data
+    return data, payload
 
 
 # --- the decode budget ----------------------------------------------------------------
@@ -298,10 +301,10 @@ class DecodePlan:
         return self.decoder_bytes + self.working_bytes
 
 
-def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
+def prepare_image(data: bytes, limits: ImageLimits, *, encoded: str | None = None) -> PreparedImage:
     """Validate, decode cheaply, orient, downscale and re-encode as a JPEG data URL; a bare
     JPEG that needs none of that (`_sendable_as_is`) goes on as it came, decoded only to
-    check it."""
+    check it, and as the base64 text it came in when that is `encoded`."""
     fmt = _check_type(data, limits)
     try:
         img = _open(data, fmt)
@@ -330,7 +333,8 @@ def prepare_image(data: bytes, limits: ImageLimits) -> PreparedImage:
     except (OSError, SyntaxError, ValueError, EOFError):  # UnidentifiedImageError is an OSError
         # Truncated, corrupt or lying about being an image.
         raise ImageInvalid() from None
-    encoded = base64.b64encode(prepared).decode("ascii")
+    if prepared is not data or encoded is None:
+        encoded = base64.b64encode(prepared).decode("ascii")
     sha256 = hashlib.sha256(data).hexdigest()
     return PreparedImage(
         data_url=f"data:image/jpeg;base64,{encoded}",

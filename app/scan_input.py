@@ -141,8 +141,8 @@ def _from_json(body: bytes | bytearray, limits: InputLimits) -> ScanInput:
     if not isinstance(url, str):
         raise InvalidRequest("image_url must be a string.")
     if url.startswith("data:"):
-        data = decode_data_url(url, limits.image.max_bytes)
-        image = prepare_image(data, limits.image)
+        data, encoded = decode_data_url(url, limits.image.max_bytes)
+        image = prepare_image(data, limits.image, encoded=encoded)
         return ScanInput("data_url", image.data_url, user_input, image)
     if url[:8].lower() == "https://":
         return ScanInput("url", check_image_url(url), user_input)

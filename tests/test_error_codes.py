@@ -197,10 +197,10 @@ async def test_a_full_cpu_lane_refuses_a_scan_with_503(
     # until the second scan has been refused, so nothing here depends on timing.
     entered, release = threading.Event(), threading.Event()
 
-    def held_prepare(*args: Any) -> Any:
+    def held_prepare(*args: Any, **kwargs: Any) -> Any:
         entered.set()
         release.wait(10.0)
-        return prepare_image(*args)
+        return prepare_image(*args, **kwargs)
 
     monkeypatch.setattr("app.scan_input.prepare_image", held_prepare)
     settings = settings_for(database_url, sim, cpu_max_workers=1, cpu_queue_limit=0)

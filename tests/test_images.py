@@ -106,6 +106,29 @@ def test_a_jpeg_with_more_than_pixels_is_re_encoded_bare(make: Callable[[bytes],
     assert sent.endswith(b"\xff\xd9")
 
 
+def test_a_data_url_sent_as_it_came_keeps_its_base64_and_bad_base64_is_refused() -> None:
+    raw = make_jpeg(3, (320, 240))
+    url = data_url(raw)
+    data, encoded = decode_data_url(url, LIMITS.max_bytes)
+    assert data == raw and encoded == url.split(",", 1)[1]
+    as_is = prepare_image(data, LIMITS, encoded=encoded)
+    assert as_is.prepared_sha256 == as_is.sha256 and as_is.data_url == "data:image/jpeg;base64," + encoded
+    big = make_jpeg(3, (2000, 1500))  # re-encoded: the text is the new JPEG's
+    resized = prepare_image(big, LIMITS, encoded=base64.b64encode(big).decode())
+    assert base64.b64decode(resized.data_url.split(",", 1)[1]) != big
+    payload = encoded[:40]
+    for bad in (
+        payload + " ",
+        payload[:-1],
+        payload[:-2] + "=A",
+        "=" + payload,
+        payload[:20] + "\n" + payload[20:],
+        "é" * 4,
+    ):
+        with pytest.raises(ImageInvalid):
+            decode_data_url("data:image/jpeg;base64," + bad, LIMITS.max_bytes)
+
+
 def _jfif_thumbnail(raw: bytes) -> bytes:  # APP0 with a 1x1 RGB thumbnail (another picture)
     return raw[:4] + b"\x00\x13" + raw[6:18] + b"\x01\x01\xff\x00\x00" + raw[20:]
 
