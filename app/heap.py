@@ -33,7 +33,7 @@ import gc
 from collections.abc import Iterator
 
 # Garbage in reference cycles lives at most about this long.
-COLLECT_EVERY_S = 10.0
+COLLECT_EVERY_S = 60.0
 
 
 @contextlib.contextmanager

@@ -101,7 +101,7 @@ class Settings:
     scan_retention_days: float = 30.0
     log_level: str = "INFO"
     # The garbage collector (app/heap.py): start-up objects frozen, a young generation of
-    # this many allocations, a full collection every 10 s. 0: Python's own settings.
+    # this many allocations, a full collection every 60 s. 0: Python's own settings.
     gc_young_threshold: int = 20_000
 
     # --- identity ---
