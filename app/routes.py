@@ -23,6 +23,8 @@ router = APIRouter()
 
 # Readiness probes time out at 1-2 s by default (Kubernetes: 1 s): answer within that.
 READY_TIMEOUT_S = 1.0
+# Every scan: app/main.py's EcoscanApp sends a POST here straight to its endpoint.
+SCAN_PATH = "/api/v1/scan/classify/completion"
 
 
 def resources(request: Request) -> Resources:
@@ -31,7 +33,7 @@ def resources(request: Request) -> Resources:
 
 
 @router.post(
-    "/api/v1/scan/classify/completion",
+    SCAN_PATH,
     operation_id="scan_classify_completion",
     tags=["scan"],
     summary="Classify a photo and stream the disposal guidance",

@@ -218,6 +218,31 @@ async def test_a_full_cpu_lane_refuses_a_scan_with_503(
         assert await eventually(lambda: svc.metric("ecoscan_admission_slots_in_use") == 0)
 
 
+async def test_an_unexpected_error_before_the_stream_is_a_500_json_and_nothing_recorded(
+    service: Service,
+    db: asyncpg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A bug in accepting a scan, on the scan route's shortcut past FastAPI's stack
+    (app/main.py, EcoscanApp): the same JSON 500 and count as on any other route, one
+    logged traceback, no row."""
+
+    def broken_prepare(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("app.scan_input.prepare_image", broken_prepare)
+    rows_before = await db.fetchval("SELECT count(*) FROM scans")
+    outcome = await run_scan(service.client, **photo(47))
+    assert (outcome.status, outcome.body) == (500, {"detail": "Internal error.", "code": "INTERNAL_ERROR"})
+    assert outcome.events == [] and "a bug" not in json.dumps(outcome.body)
+    assert service.metric("ecoscan_scans_total", {"outcome": "rejected", "code": "INTERNAL_ERROR"}) == 1
+    assert [r.message for r in caplog.records if r.exc_info] == ["unhandled error"]
+    assert await db.fetchval("SELECT count(*) FROM scans") == rows_before
+    monkeypatch.undo()
+    assert only_terminal((await run_scan(service.client, **photo(48))).events).event == "done"
+
+
 # ----- the answer stage's divergent retry ----------------------------------------------
 
 
