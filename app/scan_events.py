@@ -111,7 +111,9 @@ class EventLog:
 
     entries: list[LogEntry] = field(default_factory=list)
     progress: int = 0
-    _appended: asyncio.Event = field(default_factory=asyncio.Event)
+    # Readers waiting for the next append: a future each, made only when one waits (an
+    # asyncio.Event per append cost an allocation and a loop lookup on every event).
+    _waiting: list[asyncio.Future[None]] = field(default_factory=list)
 
     @property
     def closed(self) -> bool:
@@ -133,9 +135,10 @@ class EventLog:
             raise RuntimeError(f"entry {entry.seq} out of order")
         self.progress = entry.progress
         self.entries.append(entry)
-        # Wake everyone waiting, then start a fresh event for the next append.
-        appended, self._appended = self._appended, asyncio.Event()
-        appended.set()
+        waiting, self._waiting = self._waiting, []
+        for reader in waiting:
+            if not reader.done():  # a reader cancelled while waiting left its future
+                reader.set_result(None)
         return entry
 
     def to_json(self, *extra: LogEntry) -> str:
@@ -172,4 +175,6 @@ class EventLog:
                 yield batch
                 if batch[-1].event.terminal:
                     return
-            await self._appended.wait()
+            appended = asyncio.get_running_loop().create_future()
+            self._waiting.append(appended)
+            await appended
