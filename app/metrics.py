@@ -10,13 +10,10 @@ questions: the first says a limit is too tight, the second that the work is slow
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
@@ -48,6 +45,36 @@ LATENCY_BUCKETS = (
 )
 FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _KnownChildren:
+    """prometheus-client's `labels()` turns every value into a str and takes the
+    metric's lock on each call (~25 calls a scan); a label set's child never changes
+    (none is ever removed), so after the first call it comes from a dict."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._known: dict[tuple[Any, ...], Any] = {}
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
+        if labelkwargs:
+            return super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+        child = self._known.get(labelvalues)
+        if child is None:
+            child = self._known[labelvalues] = super().labels(*labelvalues)  # type: ignore[misc]
+        return child
+
+
+class Counter(_KnownChildren, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_KnownChildren, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_KnownChildren, prometheus_client.Histogram):
+    pass
 
 
 class Metrics:
