@@ -1,8 +1,8 @@
 """The garbage collector, set for a server whose start-up heap lives as long as it does.
 
 CPython's cyclic collector walks the objects of a generation each time it collects it.
-With its defaults, under load (k6/cpu_per_scan.py), it cost ecoscan ~0.8 ms of CPU per
-scan, more than a tenth of the whole:
+With its defaults, under load (k6/cpu_per_scan.py), it cost ecoscan ~0.5 ms of CPU per
+scan (timed by a gc callback), about a tenth of the whole:
 
 - every full collection walked the ~170,000 objects of the imports, the OpenAPI schema,
   the SDK's types and the app itself, which never become garbage (~130 ms each, every
@@ -20,9 +20,12 @@ scan, more than a tenth of the whole:
   before any collection sees them;
 - runs a full collection every `COLLECT_EVERY_S` all the same: what only the collector
   frees (reference cycles: an exception, its traceback's frames and whatever they hold)
-  is freed within that time, however slowly the allocation count moves.
+  is freed within that time, however slowly the allocation count moves (start-up
+  objects excepted: frozen, a cycle among them is never freed).
 
-On exit the interpreter's settings come back (tests run several apps in one process).
+A full collection walks every live object: under load it pauses the loop ~0.1 s once a
+minute, where Python's own settings paused it for longer several times a minute. On exit
+the interpreter's settings come back.
 """
 
 from __future__ import annotations
@@ -40,32 +43,42 @@ COLLECT_EVERY_S = 60.0
 def tuned_heap(young_threshold: int, *, collect_every_s: float = COLLECT_EVERY_S) -> Iterator[None]:
     """Within: start-up objects frozen, the young generation `young_threshold`
     allocations, a full collection every `collect_every_s`. 0 leaves the collector as
-    the interpreter set it."""
+    the interpreter set it. The collector is the process's: with several apps in one
+    process (tests), the first to enter tunes it and the last to leave restores it."""
     if young_threshold <= 0:
         yield
         return
-    previous = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(young_threshold, *previous[1:])
-    timer = _Collector(asyncio.get_running_loop(), collect_every_s)
+    if not _tuned:
+        _tuned.append(_Tuning(young_threshold, collect_every_s))
+    else:
+        _tuned.append(_tuned[0])
     try:
         yield
     finally:
-        timer.stop()
-        gc.set_threshold(*previous)
+        tuning = _tuned.pop()
+        if not _tuned:
+            tuning.undo()
+
+
+class _Tuning:
+    def __init__(self, young_threshold: int, every_s: float) -> None:
+        self._previous = gc.get_threshold()
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(young_threshold, *self._previous[1:])
+        self._loop = asyncio.get_running_loop()
+        self._every_s = every_s
+        self._handle = self._loop.call_later(every_s, self._collect)
+
+    def _collect(self) -> None:
+        gc.collect()  # pauses the loop: ~0.1 s under k6/cpu_per_scan.py's load on a 2-core box
+        self._handle = self._loop.call_later(self._every_s, self._collect)
+
+    def undo(self) -> None:
+        self._handle.cancel()
+        gc.set_threshold(*self._previous)
         gc.unfreeze()
 
 
-class _Collector:
-    def __init__(self, loop: asyncio.AbstractEventLoop, every_s: float) -> None:
-        self._loop = loop
-        self._every_s = every_s
-        self._handle = loop.call_later(every_s, self._collect)
-
-    def _collect(self) -> None:
-        gc.collect()
-        self._handle = self._loop.call_later(self._every_s, self._collect)
-
-    def stop(self) -> None:
-        self._handle.cancel()
+# The apps in this process that are inside `tuned_heap`, the first one's tuning each.
+_tuned: list[_Tuning] = []

@@ -60,11 +60,11 @@ def create_app(settings: Settings | None = None, *, metrics: Metrics | None = No
 class EcoscanApp(FastAPI):
     """FastAPI, with one shortcut: `POST /api/v1/scan/classify/completion`, every scan,
     goes straight to its endpoint. The route stays declared (OpenAPI, docs, any other
-    method); its errors are rendered by the same handlers. What the shortcut skips is
-    what this endpoint does not use: route matching over every route, dependency
-    solving, and the middleware layers (error, exception, exit stack, body limit,
-    telemetry), two of which wrap every send of the stream: ~0.25 ms of CPU per scan
-    (k6/cpu_per_scan.py, README's cost per scan)."""
+    method); its errors are rendered by the functions the app's exception handlers use.
+    What the shortcut skips is what this endpoint does not use: route matching over
+    every route, dependency solving, and the middleware layers (error, exception, exit
+    stack, body limit), two of which wrapped every send of the stream. With FastAPI's
+    own OpenTelemetry switched on, scans take the full stack, so they are traced."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -72,6 +72,7 @@ class EcoscanApp(FastAPI):
             and scope["path"] == SCAN_PATH
             and scope["method"] == "POST"
             and not scope.get("root_path")
+            and not _traced(self)
         ):
             scope["app"] = self
             await _scan_route(Request(scope, receive), send)
@@ -79,11 +80,18 @@ class EcoscanApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+def _traced(app: FastAPI) -> bool:
+    telemetry = getattr(app, "_native_telemetry", None)  # FastAPI's, where it has one
+    return telemetry is not None and bool(telemetry.enabled())
+
+
 async def _scan_route(request: Request, send: Send) -> None:
     try:
         response = await classify_completion(request)
     except EcoscanError as exc:
         response = _ecoscan_error(request, exc)
+    except HTTPException as exc:
+        response = _http_error(exc)
     except Exception as exc:
         response = _unexpected(request, exc)
     await response(request.scope, request.receive, send)
@@ -115,6 +123,12 @@ def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "Internal error.", "code": "INTERNAL_ERROR"}, status_code=500)
 
 
+def _http_error(exc: HTTPException) -> JSONResponse:
+    code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
+    body = {"detail": exc.detail, "code": code}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     async def ecoscan_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, EcoscanError)
@@ -122,10 +136,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
-        code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
-        return JSONResponse(
-            {"detail": exc.detail, "code": code}, status_code=exc.status_code, headers=exc.headers
-        )
+        return _http_error(exc)
 
     async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": "The request is invalid.", "code": "INVALID_REQUEST"}, status_code=422)

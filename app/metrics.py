@@ -10,7 +10,7 @@ questions: the first says a limit is too tight, the second that the work is slow
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
@@ -54,14 +54,17 @@ class _KnownChildren:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._known: dict[tuple[Any, ...], Any] = {}
+        self._known: dict[tuple[Any, ...], Self] = {}
 
-    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Self:
+        # The mixin's super() is the prometheus metric it is mixed into (below).
         if labelkwargs:
-            return super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+            found: Self = super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+            return found
         child = self._known.get(labelvalues)
         if child is None:
-            child = self._known[labelvalues] = super().labels(*labelvalues)  # type: ignore[misc]
+            made: Self = super().labels(*labelvalues)  # type: ignore[misc]
+            child = self._known[labelvalues] = made
         return child
 
 

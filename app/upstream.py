@@ -152,8 +152,9 @@ class ChatEndpoint:
             connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_s),
             headers={k: v for k, v in sdk.items() if isinstance(v, str)},  # not the SDK's Omit
             # What the SDK's aiohttp transport makes of the client's httpx timeout: `read`
-            # bounds every wait for bytes (between streamed chunks too), `pool` the wait for
-            # a connection, `connect` the connect itself. aiohttp has no write timeout.
+            # bounds every wait for bytes (past a streamed reply's head, through
+            # `watch_stream`), `pool` the wait for a connection, `connect` the connect
+            # itself. aiohttp has no write timeout.
             timeout=aiohttp.ClientTimeout(
                 sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
             ),
@@ -191,7 +192,9 @@ class StallWatch:
     """A streamed body that sends no byte for `read_timeout_s` fails with aiohttp's own
     read-timeout error, as under aiohttp's timer; only this looks at the byte count
     every quarter of that time instead of re-arming a timer on every chunk. So a stall
-    is noticed after 1 to 1.25 times the timeout."""
+    is noticed after 1 to 1.25 times the timeout. (aiohttp's timer also paused while
+    aiohttp stopped reading for flow control, past 128 KiB unread; the reader here never
+    leaves more than one delta interval's tokens unread.)"""
 
     CHECKS = 4  # per timeout
 

@@ -113,6 +113,17 @@ def test_a_data_url_sent_as_it_came_keeps_its_base64_and_bad_base64_is_refused()
     assert data == raw and encoded == url.split(",", 1)[1]
     as_is = prepare_image(data, LIMITS, encoded=encoded)
     assert as_is.prepared_sha256 == as_is.sha256 and as_is.data_url == "data:image/jpeg;base64," + encoded
+    # Strictly valid but not b64encode's (a surplus "=", or unused low bits set): the same
+    # bytes, sent in the standard spelling.
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    if encoded.endswith("="):
+        last = encoded.rstrip("=")
+        odd = last[:-1] + alphabet[alphabet.index(last[-1]) + 1] + encoded[len(last) :]
+    else:
+        odd = encoded + "="
+    data_again, odd_text = decode_data_url("data:image/jpeg;base64," + odd, LIMITS.max_bytes)
+    assert data_again == raw and odd_text == odd
+    assert prepare_image(data_again, LIMITS, encoded=odd).data_url == "data:image/jpeg;base64," + encoded
     big = make_jpeg(3, (2000, 1500))  # re-encoded: the text is the new JPEG's
     resized = prepare_image(big, LIMITS, encoded=base64.b64encode(big).decode())
     assert base64.b64decode(resized.data_url.split(",", 1)[1]) != big
