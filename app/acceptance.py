@@ -30,6 +30,7 @@ from app.errors import (
     ServerShuttingDown,
 )
 from app.identity import Authenticator, Caller
+from app.images import NotInline
 from app.limits.admission import Admission, Ticket
 from app.limits.cpu_lane import CpuLane
 from app.metrics import Metrics
@@ -41,6 +42,10 @@ from app.scan_run import ScanRun
 from app.scan_store import IdempotencyClaim, KeyTaken, ScanStore
 
 MAX_IDEMPOTENCY_KEY_CHARS = 128
+# A body this small is parsed on the event loop if its image goes on as it came (JSON,
+# base64 and a JPEG checked at 1/8 scale: well under a millisecond): a hop to a CPU-lane
+# thread and back cost more than that (k6/cpu_per_scan.py, README's cost per scan).
+INLINE_MAX_BODY_BYTES = 64 * 1024
 # A draining replica asks clients to come back soon: by then the load balancer sends
 # them to another one.
 SHUTTING_DOWN_RETRY_AFTER_S = 2.0
@@ -162,10 +167,16 @@ class ScanAcceptance:
         return _same_request(taken, claim) if taken else None
 
     async def _prepare(self, body: BufferedBody, content_type: str) -> tuple[ScanInput, float]:
-        """Parse, decode and resize in the CPU lane; the time it took."""
+        """Parse, decode and resize in the CPU lane (a small body whose image goes on as it
+        came, here); the time it took."""
         started = time.perf_counter()
-        scan_input = await self._cpu.run(parse_scan_body, body.data, content_type, self._limits)
-        prepare_s = time.perf_counter() - started
+        scan_input = _parsed_inline(body.data, content_type, self._limits)
+        if scan_input is None:  # the lane observes its queue and run time
+            scan_input = await self._cpu.run(parse_scan_body, body.data, content_type, self._limits)
+            prepare_s = time.perf_counter() - started
+        else:
+            prepare_s = time.perf_counter() - started
+            self._metrics.observe_prepare(0.0, prepare_s)
         self._metrics.prepare_duration.observe(prepare_s)
         return scan_input, prepare_s
 
@@ -193,6 +204,18 @@ class ScanAcceptance:
         except DatabaseError:
             raise DatabaseUnavailable() from None
         return scan_id
+
+
+def _parsed_inline(data: bytes | bytearray, content_type: str, limits: InputLimits) -> ScanInput | None:
+    """A body of up to `INLINE_MAX_BODY_BYTES` parsed on the loop, where the hop to a
+    worker thread and back costs more than the work; None when its image needs more than
+    a check (`NotInline`: the lane does it all again, the header read twice)."""
+    if len(data) > INLINE_MAX_BODY_BYTES:
+        return None
+    try:
+        return parse_scan_body(data, content_type, limits, inline=True)
+    except NotInline:
+        return None
 
 
 def _idempotency_key(request: Request) -> str | None:

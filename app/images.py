@@ -300,14 +300,29 @@ class DecodePlan:
         return self.decoder_bytes + self.working_bytes
 
 
-def prepare_image(data: bytes, limits: ImageLimits, *, encoded: str | None = None) -> PreparedImage:
+class NotInline(Exception):
+    """Asked to prepare an image inline, one that needs more than a check: do it in the
+    CPU lane."""
+
+
+def prepare_image(
+    data: bytes, limits: ImageLimits, *, encoded: str | None = None, inline: bool = False
+) -> PreparedImage:
     """Validate, decode cheaply, orient, downscale and re-encode as a JPEG data URL; a bare
     JPEG that needs none of that (`_sendable_as_is`) goes on as it came, decoded only to
-    check it, and as the base64 text it came in when that is `encoded`."""
+    check it, and as the base64 text it came in when that is `encoded`.
+
+    `inline` (on the event loop, for a small body): only such a JPEG is prepared, decided
+    from its header, and outside the decode budget (within the long side, decoded at 1/8
+    scale, one at a time: it cannot wait for a thread's budget there); anything else
+    raises `NotInline` before any decoding."""
     fmt = _check_type(data, limits)
     try:
         img = _open(data, fmt)
         as_is = _sendable_as_is(img, data, limits)
+        if inline and not as_is:
+            img.close()
+            raise NotInline()
         plan = _plan(img, data, limits, check_only=as_is)
         budget = decode_budget(limits.decode_budget)
         if plan.cost > budget.capacity:
@@ -315,7 +330,7 @@ def prepare_image(data: bytes, limits: ImageLimits, *, encoded: str | None = Non
                 f"Decoding this {plan.size[0]}x{plan.size[1]} {fmt} image would take about "
                 f"{plan.cost / 2**20:.0f} MiB; the limit is {budget.capacity / 2**20:.0f} MiB."
             )
-        with budget.hold(plan.cost):
+        with contextlib.nullcontext() if inline else budget.hold(plan.cost):
             # The whole image decodes (one sent as it came at 1/8 scale: every coefficient is
             # still read, the inverse DCTs cost 1/64): a corrupt or truncated one fails here.
             img.load()

@@ -368,6 +368,10 @@ class Metrics:
         self.cpu_job.labels("run").observe(run_s)
         # The lane's only job today is preparing the request (parse, decode, resize), so
         # it is also the "prepare" stage's queue/service split.
+        self.observe_prepare(queue_s, run_s)
+
+    def observe_prepare(self, queue_s: float, run_s: float) -> None:
+        """The "prepare" stage: in the CPU lane, or on the loop (a small body: no wait)."""
         self.stage_queue.labels("prepare", "cpu").observe(queue_s)
         self.stage_service.labels("prepare").observe(run_s)
 

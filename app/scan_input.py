@@ -118,13 +118,17 @@ def check_text(value: str, field: str) -> str:
     return value
 
 
-def parse_scan_body(body: bytes | bytearray, content_type: str, limits: InputLimits) -> ScanInput:
+def parse_scan_body(
+    body: bytes | bytearray, content_type: str, limits: InputLimits, *, inline: bool = False
+) -> ScanInput:
+    """`inline`: on the event loop; an image that needs more than a check raises
+    `NotInline` (app/images.py) for the CPU lane to do it all."""
     if request_kind(content_type) == "json":
-        return _from_json(body, limits)
-    return _from_multipart(body, content_type, limits)
+        return _from_json(body, limits, inline)
+    return _from_multipart(body, content_type, limits, inline)
 
 
-def _from_json(body: bytes | bytearray, limits: InputLimits) -> ScanInput:
+def _from_json(body: bytes | bytearray, limits: InputLimits, inline: bool) -> ScanInput:
     try:
         # What json.loads does with bytes (UTF-8/16/32, BOM), done here so that the
         # pre-scan sees the very text json.loads parses.
@@ -143,7 +147,7 @@ def _from_json(body: bytes | bytearray, limits: InputLimits) -> ScanInput:
         raise InvalidRequest("image_url must be a string.")
     if url.startswith("data:"):
         data, encoded = decode_data_url(url, limits.image.max_bytes)
-        image = prepare_image(data, limits.image, encoded=encoded)
+        image = prepare_image(data, limits.image, encoded=encoded, inline=inline)
         return ScanInput("data_url", image.data_url, user_input, image)
     if url[:8].lower() == "https://":
         return ScanInput("url", check_image_url(url), user_input)
@@ -212,7 +216,9 @@ def _user_input(value: Any, limits: InputLimits) -> str | None:
     return value or None
 
 
-def _from_multipart(body: bytes | bytearray, content_type: str, limits: InputLimits) -> ScanInput:
+def _from_multipart(
+    body: bytes | bytearray, content_type: str, limits: InputLimits, inline: bool
+) -> ScanInput:
     _mime, params = parse_options_header(content_type)
     boundary = params.get(b"boundary")
     if not boundary:
@@ -223,7 +229,7 @@ def _from_multipart(body: bytes | bytearray, content_type: str, limits: InputLim
     image_data = fields.get("image")
     if not image_data:
         raise ImageMissing()
-    image = prepare_image(bytes(image_data), limits.image)
+    image = prepare_image(bytes(image_data), limits.image, inline=inline)
     return ScanInput("upload", image.data_url, user_input, image)
 
 

@@ -79,6 +79,10 @@ def photo(seed: int) -> dict[str, Any]:
     return {"json": {"image_url": data_url(make_jpeg(seed))}}
 
 
+def big_photo(seed: int) -> dict[str, Any]:  # resized: prepared in the CPU lane
+    return {"json": {"image_url": data_url(make_jpeg(seed, (2000, 1500)))}}
+
+
 def timeout_retries(svc: Service) -> float:
     return svc.metric("ecoscan_upstream_retries_total", {"model": "gpt-4o-mini", "reason": "timeout"})
 
@@ -194,10 +198,13 @@ async def test_a_full_cpu_lane_refuses_a_scan_with_503(
     database_url: str, sim: RunningSimulator, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # One worker, no queue; the first scan's image preparation is held inside that worker
-    # until the second scan has been refused, so nothing here depends on timing.
+    # until the second scan has been refused, so nothing here depends on timing. Photos
+    # that need resizing: a small one going on as it came is checked on the loop.
     entered, release = threading.Event(), threading.Event()
 
     def held_prepare(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("inline"):  # on the loop: refuses these photos, never holds it
+            return prepare_image(*args, **kwargs)
         entered.set()
         release.wait(10.0)
         return prepare_image(*args, **kwargs)
@@ -206,11 +213,11 @@ async def test_a_full_cpu_lane_refuses_a_scan_with_503(
     settings = settings_for(database_url, sim, cpu_max_workers=1, cpu_queue_limit=0)
     async with running_service(settings) as svc:
         rows_before = await db.fetchval("SELECT count(*) FROM scans")
-        first = asyncio.create_task(run_scan(svc.client, **photo(45)))
+        first = asyncio.create_task(run_scan(svc.client, **big_photo(45)))
         try:
             assert await eventually(entered.is_set, attempts=1000)
             assert svc.metric("ecoscan_cpu_busy_workers") == 1
-            refused = await run_scan(svc.client, **photo(46))
+            refused = await run_scan(svc.client, **big_photo(46))
             await assert_refused(refused, db, code="CPU_SATURATED", rows_before=rows_before)
         finally:
             release.set()

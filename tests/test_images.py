@@ -555,3 +555,38 @@ def test_a_decode_waits_for_the_budget_only_so_long(monkeypatch: pytest.MonkeyPa
         assert budget.waiting == 0 and budget.in_use == 6
     with budget.hold(10):  # the one that gave up left nothing behind
         assert budget.in_use == 10
+
+
+async def test_a_small_body_whose_jpeg_goes_on_as_it_came_is_prepared_without_the_cpu_lane(
+    service: Service,
+) -> None:
+    """Parsed on the loop (app/acceptance.py, INLINE_MAX_BODY_BYTES): the CPU lane's job
+    count does not move. A small body whose image needs work (a PNG, a JPEG past the long
+    side) and a large body go to the lane, which prepares them as before."""
+
+    def lane_jobs() -> float:
+        return service.metric("ecoscan_cpu_job_seconds_count", {"phase": "run"})
+
+    def done(outcome: Any) -> bool:
+        return bool(outcome.status == 200 and outcome.events and outcome.events[-1].event == "done")
+
+    small = make_jpeg(71, (320, 240))
+    assert len(data_url(small)) < 64 * 1024
+    before = lane_jobs()
+    prepared = {"stage": "prepare"}
+    prepares = service.metric("ecoscan_stage_service_seconds_count", prepared)
+    outcome = await run_scan(service.client, json={"image_url": data_url(small)})
+    assert done(outcome) and lane_jobs() == before
+    assert service.metric("ecoscan_stage_service_seconds_count", prepared) == prepares + 1  # still observed
+    png = io.BytesIO()
+    Image.open(io.BytesIO(small)).save(png, "PNG")
+    tall = make_jpeg(72, (2000, 1500), quality=20)  # small, but past the long side
+    noise = io.BytesIO()
+    Image.effect_noise((700, 500), 40).convert("RGB").save(noise, "JPEG", quality=80)
+    large = noise.getvalue()  # goes on as it came, but a big body (~170 KB)
+    for raw, mime in ((png.getvalue(), "png"), (tall, "jpeg"), (large, "jpeg")):
+        before = lane_jobs()
+        outcome = await run_scan(service.client, json={"image_url": data_url(raw, f"image/{mime}")})
+        assert done(outcome) and lane_jobs() == before + 1, mime
+    invalid = data_url(small[: len(small) // 2])  # truncated: refused inline as in the lane
+    assert (await run_scan(service.client, json={"image_url": invalid})).status == 400
