@@ -42,9 +42,10 @@ from app.scan_run import ScanRun
 from app.scan_store import IdempotencyClaim, KeyTaken, ScanStore
 
 MAX_IDEMPOTENCY_KEY_CHARS = 128
-# A body this small is parsed on the event loop if its image goes on as it came (JSON,
-# base64 and a JPEG checked at 1/8 scale: well under a millisecond): a hop to a CPU-lane
-# thread and back cost more than that (k6/cpu_per_scan.py, README's cost per scan).
+# A body this small is parsed on the event loop unless its image needs more than a check
+# (JSON, base64, an https URL, or a sequential JPEG checked at 1/8 scale: well under a
+# millisecond, and no CPU-lane queue for it to wait in): a hop to a lane thread and back
+# cost more than that (k6/cpu_per_scan.py, README's cost per scan).
 INLINE_MAX_BODY_BYTES = 64 * 1024
 # A draining replica asks clients to come back soon: by then the load balancer sends
 # them to another one.
@@ -176,7 +177,7 @@ class ScanAcceptance:
             prepare_s = time.perf_counter() - started
         else:
             prepare_s = time.perf_counter() - started
-            self._metrics.observe_prepare(0.0, prepare_s)
+            self._metrics.stage_service.labels("prepare").observe(prepare_s)  # it never queued
         self._metrics.prepare_duration.observe(prepare_s)
         return scan_input, prepare_s
 

@@ -1,5 +1,6 @@
-"""Image preparation for the vision stage. Pure, synchronous, CPU-bound: always called
-through the CPU lane, never on the event loop.
+"""Image preparation for the vision stage. Pure, synchronous, CPU-bound: called through
+the CPU lane, except `inline` on the event loop for a small sequential JPEG that goes on
+as it came (checked from its bytes before anything else is done, `NotInline` otherwise).
 
 The expensive part of a phone photo is decoding 12 Mpx we are about to throw away.
 JPEG can decode at 1/2, 1/4 or 1/8 scale inside the DCT (`Image.draft`), so we ask
@@ -300,6 +301,21 @@ class DecodePlan:
         return self.decoder_bytes + self.working_bytes
 
 
+# An image prepared inline has at most this many pixels, whatever IMAGE_LONG_SIDE is.
+INLINE_MAX_PIXELS = 1_000_000
+# More scans than this and a JPEG is refused: a progressive decoder passes over every
+# coefficient once per scan, and a few bytes make a scan (10 MB: hours of a thread).
+# Encoders write ~10 (libjpeg's progressive script), a few dozen at most.
+MAX_JPEG_SCANS = 100
+_SOS_MARKER = b"\xff\xda"  # in entropy-coded data a 0xFF is always followed by 0x00 or a RST
+
+
+def _inline_candidate(data: bytes) -> bool:
+    """Cheap, from the bytes alone: a bare JFIF JPEG with a single scan (sequential, one
+    pass over the coefficients), the only kind prepared inline."""
+    return data.startswith(_JFIF_HEADER) and data.count(_SOS_MARKER) == 1 and _bare_jfif(data)
+
+
 class NotInline(Exception):
     """Asked to prepare an image inline, one that needs more than a check: do it in the
     CPU lane."""
@@ -312,15 +328,17 @@ def prepare_image(
     JPEG that needs none of that (`_sendable_as_is`) goes on as it came, decoded only to
     check it, and as the base64 text it came in when that is `encoded`.
 
-    `inline` (on the event loop, for a small body): only such a JPEG is prepared, decided
-    from its header, and outside the decode budget (within the long side, decoded at 1/8
-    scale, one at a time: it cannot wait for a thread's budget there); anything else
-    raises `NotInline` before any decoding."""
+    `inline` (on the event loop, for a small body): only such a JPEG, sequential with one
+    scan and at most `INLINE_MAX_PIXELS`, is prepared, decided from its bytes and header,
+    and outside the decode budget (decoded at 1/8 scale, one at a time: it cannot wait for
+    a thread's budget there); anything else raises `NotInline` before any decoding."""
+    if inline and not _inline_candidate(data):
+        raise NotInline()  # before any header work: the lane decides, errors included
     fmt = _check_type(data, limits)
     try:
         img = _open(data, fmt)
         as_is = _sendable_as_is(img, data, limits)
-        if inline and not as_is:
+        if inline and (not as_is or img.size[0] * img.size[1] > INLINE_MAX_PIXELS):
             img.close()
             raise NotInline()
         plan = _plan(img, data, limits, check_only=as_is)
@@ -423,15 +441,14 @@ def _bare_jfif(data: bytes) -> bool:
     return False
 
 
+_MARKER_IN_SCAN = re.compile(rb"\xff[^\x00\xd0-\xd7]")
+
+
 def _scan_end(data: bytes, pos: int) -> int:
     """Where the entropy-coded data from `pos` ends: at the first marker that is neither a
     stuffed zero (FF00) nor a restart (FFD0-FFD7); the length of `data` if none."""
-    while (pos := data.find(b"\xff", pos)) != -1 and pos + 1 < len(data):
-        following = data[pos + 1]
-        if following != 0x00 and not 0xD0 <= following <= 0xD7:
-            return pos
-        pos += 2
-    return len(data)
+    found = _MARKER_IN_SCAN.search(data, pos)
+    return found.start() if found is not None else len(data)
 
 
 def _reencoded(
@@ -490,6 +507,8 @@ def _check_type(data: bytes, limits: ImageLimits) -> str:
     fmt = _PILLOW_FORMAT.get(mime)
     if fmt is None:
         raise ImageTypeUnsupported(f"Unsupported image type {mime}: use JPEG, PNG, WebP or GIF.")
+    if fmt == "JPEG" and data.count(_SOS_MARKER) > MAX_JPEG_SCANS:
+        raise ImageInvalid(f"The JPEG has more than {MAX_JPEG_SCANS} scans.")
     if fmt == "GIF":
         # Pillow allocates the first frame's disposal buffer while opening: check first.
         canvas = _gif_canvas(data)

@@ -130,7 +130,7 @@ class Metrics:
         self.streams_open = Gauge("ecoscan_sse_streams_open", "Open SSE responses.", registry=r)
         self.prepare_duration = Histogram(
             "ecoscan_request_prepare_seconds",
-            "Parsing and image preparation before the stream starts (CPU lane, incl. wait).",
+            "Parsing and image preparation before the stream starts (CPU lane incl. wait, or inline).",
             buckets=FAST_BUCKETS,
             registry=r,
         )
@@ -367,11 +367,8 @@ class Metrics:
         self.cpu_job.labels("queue").observe(queue_s)
         self.cpu_job.labels("run").observe(run_s)
         # The lane's only job today is preparing the request (parse, decode, resize), so
-        # it is also the "prepare" stage's queue/service split.
-        self.observe_prepare(queue_s, run_s)
-
-    def observe_prepare(self, queue_s: float, run_s: float) -> None:
-        """The "prepare" stage: in the CPU lane, or on the loop (a small body: no wait)."""
+        # it is also the "prepare" stage's queue/service split (a body prepared on the
+        # loop has only the service part: app/acceptance.py).
         self.stage_queue.labels("prepare", "cpu").observe(queue_s)
         self.stage_service.labels("prepare").observe(run_s)
 

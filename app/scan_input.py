@@ -1,6 +1,7 @@
 """Turning a request body into a validated `ScanInput`, before any stream starts.
 
-`parse_scan_body` is synchronous and runs in the CPU lane: a request may carry a
+`parse_scan_body` is synchronous and runs in the CPU lane (a small body on the loop, with
+`inline`: app/acceptance.py, `INLINE_MAX_BODY_BYTES`): a request may carry a
 13 MB base64 data URL or a multi-megabyte upload, and JSON-decoding, base64-decoding,
 multipart-splitting and image decoding all cost milliseconds of CPU that must not
 stall the event loop. Multipart is parsed from memory (the body was already read

@@ -584,9 +584,43 @@ async def test_a_small_body_whose_jpeg_goes_on_as_it_came_is_prepared_without_th
     noise = io.BytesIO()
     Image.effect_noise((700, 500), 40).convert("RGB").save(noise, "JPEG", quality=80)
     large = noise.getvalue()  # goes on as it came, but a big body (~170 KB)
-    for raw, mime in ((png.getvalue(), "png"), (tall, "jpeg"), (large, "jpeg")):
+    progressive = io.BytesIO()  # as it came, but one pass per scan to decode
+    Image.open(io.BytesIO(small)).save(progressive, "JPEG", quality=85, progressive=True)
+    as_is = prepare_image(progressive.getvalue(), LIMITS)
+    assert as_is.prepared_sha256 == as_is.sha256
+    lane_bodies = [(png.getvalue(), "png"), (tall, "jpeg"), (large, "jpeg"), (progressive.getvalue(), "jpeg")]
+    for raw, mime in lane_bodies:
         before = lane_jobs()
         outcome = await run_scan(service.client, json={"image_url": data_url(raw, f"image/{mime}")})
         assert done(outcome) and lane_jobs() == before + 1, mime
     invalid = data_url(small[: len(small) // 2])  # truncated: refused inline as in the lane
     assert (await run_scan(service.client, json={"image_url": invalid})).status == 400
+
+
+def _many_scans(extra_scans: int, side: int = 768) -> bytes:
+    """A valid progressive grey JPEG with `extra_scans` more AC refinement scans (a dozen
+    bytes each, every one a pass over all coefficients): decodes slowly, from few bytes."""
+    buf = io.BytesIO()
+    Image.new("L", (side, side), 128).save(buf, "JPEG", progressive=True, quality=90)
+    body = buf.getvalue()[:-2]  # without EOI
+    # AC table 1: one 1-bit code for symbol 0xD0 (an end-of-band run of 2**13 + 13 bits)
+    dht = b"\xff\xc4\x00\x14\x11" + bytes([1] + [0] * 15) + b"\xd0"
+    blocks = (side // 8) ** 2
+    bits = "0" + format(blocks - (1 << 13), "013b")
+    bits += "1" * (-len(bits) % 8)
+    run = int(bits, 2).to_bytes(len(bits) // 8, "big")
+    sos = b"\xff\xda\x00\x08\x01\x01\x01\x01\x3f\x10"  # component 1, Ss=1 Se=63 Ah=1 Al=0
+    return body + dht + (sos + run) * extra_scans + b"\xff\xd9"
+
+
+def test_a_jpeg_of_many_scans_is_refused_before_decoding_and_never_prepared_inline() -> None:
+    few = _many_scans(20)  # decodes (a valid file), in the lane: progressive
+    assert prepare_image(few, LIMITS).width == 768
+    with pytest.raises(images.NotInline):
+        prepare_image(few, LIMITS, inline=True)
+    many = _many_scans(images.MAX_JPEG_SCANS)
+    assert len(many) < 64 * 1024
+    for inline in (False, True):
+        with pytest.raises((ImageInvalid, images.NotInline)) as refused:
+            prepare_image(many, LIMITS, inline=inline)
+        assert refused.type is (images.NotInline if inline else ImageInvalid)
