@@ -168,8 +168,8 @@ class ScanAcceptance:
         return _same_request(taken, claim) if taken else None
 
     async def _prepare(self, body: BufferedBody, content_type: str) -> tuple[ScanInput, float]:
-        """Parse, decode and resize in the CPU lane (a small body whose image goes on as it
-        came, here); the time it took."""
+        """Parse, decode and resize in the CPU lane (a small body whose image needs only a
+        check, here: `_parsed_inline`); the time it took."""
         started = time.perf_counter()
         scan_input = _parsed_inline(body.data, content_type, self._limits)
         if scan_input is None:  # the lane observes its queue and run time
