@@ -38,7 +38,8 @@ class ScanContext:
     def _result(self, stage: str, kind: type[T]) -> T:
         if stage not in self.results:
             raise LookupError(f"the {stage} stage has not run before this one")
-        return cast(T, self.results[stage])
+        result: T = self.results[stage]  # what the stage stored (its `kind`), not checked per call
+        return result
 
     @property
     def vision(self) -> VisionResult:

@@ -87,12 +87,17 @@ class LeanEventSourceResponse(EventSourceResponse):
         self._ended = True
 
     async def _send(self, send: Send, chunk: bytes, *, more_body: bool = True) -> None:
-        """One body message (the watchdog's to bound, the last one too)."""
-        async with self._lock:
+        """One body message (the watchdog's to bound, the last one too). Only a ping takes
+        the lock, so a body send waits for it only while a ping is going out."""
+        if self._lock.locked():
+            async with self._lock:
+                await self._send_now(send, chunk, more_body)
+        else:
             await self._send_now(send, chunk, more_body)
 
     async def _send_now(self, send: Send, chunk: bytes, more_body: bool) -> None:
-        """With the lock held: the body's and the pings' messages go out one at a time."""
+        """The body's and the pings' messages go out one at a time: `_sending_since` is
+        set before the first await, so neither starts while the other is in progress."""
         self._sending_since = asyncio.get_running_loop().time()
         try:
             await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
@@ -151,5 +156,6 @@ class LeanEventSourceResponse(EventSourceResponse):
         async with self._lock:
             if not self.active or self._ended:
                 return
-            await self._send_now(send, ping, True)
+            if self._sending_since is None:  # else the body is sending: no ping is needed now
+                await self._send_now(send, ping, True)
         self._arm_ping(send)

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import jiter
+import orjson
 
 from app.errors import UpstreamBadResponse
 from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
@@ -169,7 +170,7 @@ class AnswerStage:
             {"role": "system", "content": SYSTEM_PROMPT},
             {
                 "role": "user",
-                "content": json.dumps(facts, ensure_ascii=False, separators=(",", ":")),
+                "content": orjson.dumps(facts).decode(),  # compact, non-ASCII as it is
             },
         ]
         return ChatCall(
@@ -218,7 +219,7 @@ class AnswerStage:
 
 def parse_answer(text: str, call: ChatResult | None = None) -> Answer:
     try:
-        doc = json.loads(text)
+        doc = orjson.loads(text)
         user_answer = doc["user_answer"]
         steps = doc["steps"]
         missing = doc["insufficiencies"]

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
+
 from app.errors import UpstreamBadResponse
 from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
 from app.model_profiles import CallShape
@@ -157,7 +159,7 @@ class VisionStage:
 
     def parse(self, text: str) -> tuple[Classification, str, list[str]]:
         try:
-            reply = json.loads(text)
+            reply = orjson.loads(text)
             path = reply["category"]
             item = reply.get("item")
             raw_tags = reply.get("situation_tags") or []
