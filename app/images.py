@@ -311,9 +311,9 @@ _SOS_MARKER = b"\xff\xda"  # in entropy-coded data a 0xFF is always followed by 
 
 
 def _inline_candidate(data: bytes) -> bool:
-    """Cheap, from the bytes alone: a bare JFIF JPEG with a single scan (sequential, one
-    pass over the coefficients), the only kind prepared inline."""
-    return data.startswith(_JFIF_HEADER) and data.count(_SOS_MARKER) == 1 and _bare_jfif(data)
+    """Cheap, from the bytes alone (one walk of the markers): a bare JFIF JPEG with a
+    single scan (sequential, one pass over the coefficients), the only kind prepared inline."""
+    return _jfif_scans(data) == 1
 
 
 class NotInline(Exception):
@@ -328,19 +328,13 @@ def prepare_image(
     JPEG that needs none of that (`_sendable_as_is`) goes on as it came, decoded only to
     check it, and as the base64 text it came in when that is `encoded`.
 
-    `inline` (on the event loop, for a small body): only such a JPEG, sequential with one
-    scan and at most `INLINE_MAX_PIXELS`, is prepared, decided from its bytes and header,
-    and outside the decode budget (decoded at 1/8 scale, one at a time: it cannot wait for
-    a thread's budget there); anything else raises `NotInline` before any decoding."""
-    if inline and not _inline_candidate(data):
-        raise NotInline()  # before any header work: the lane decides, errors included
+    `inline` (on the event loop, for a small body): see `_prepare_inline`."""
+    if inline:
+        return _prepare_inline(data, limits, encoded)
     fmt = _check_type(data, limits)
     try:
         img = _open(data, fmt)
         as_is = _sendable_as_is(img, data, limits)
-        if inline and (not as_is or img.size[0] * img.size[1] > INLINE_MAX_PIXELS):
-            img.close()
-            raise NotInline()
         plan = _plan(img, data, limits, check_only=as_is)
         budget = decode_budget(limits.decode_budget)
         if plan.cost > budget.capacity:
@@ -348,7 +342,7 @@ def prepare_image(
                 f"Decoding this {plan.size[0]}x{plan.size[1]} {fmt} image would take about "
                 f"{plan.cost / 2**20:.0f} MiB; the limit is {budget.capacity / 2**20:.0f} MiB."
             )
-        with contextlib.nullcontext() if inline else budget.hold(plan.cost):
+        with budget.hold(plan.cost):
             # The whole image decodes (one sent as it came at 1/8 scale: every coefficient is
             # still read, the inverse DCTs cost 1/64): a corrupt or truncated one fails here.
             img.load()
@@ -365,6 +359,40 @@ def prepare_image(
     except (OSError, SyntaxError, ValueError, EOFError):  # UnidentifiedImageError is an OSError
         # Truncated, corrupt or lying about being an image.
         raise ImageInvalid() from None
+    return _prepared(data, prepared, size, plan.size, encoded)
+
+
+def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> PreparedImage:
+    """Only a JPEG that goes on as it came, sequential with one scan and at most
+    `INLINE_MAX_PIXELS`, decided from its bytes and header; anything else raises
+    `NotInline` before any decoding, and the CPU lane does it all (errors included).
+    Outside the decode budget: decoded at 1/8 scale, one at a time, it cannot wait for a
+    thread's budget there. The bytes are walked once (`_inline_candidate`), which
+    settles what `_check_type` and `_sendable_as_is` would read from them again."""
+    if len(data) > limits.max_bytes or not _inline_candidate(data):
+        raise NotInline()
+    try:
+        img = _open(data, "JPEG")
+        size = img.size
+        if not _as_is_shape(img, data, limits) or size[0] * size[1] > INLINE_MAX_PIXELS:
+            img.close()
+            raise NotInline()
+        _check_pixels(size, limits)
+        img.draft(img.mode, (max(1, size[0] // 8), max(1, size[1] // 8)))  # as `_plan` does
+        img.load()  # corrupt or truncated: fails here
+        img.close()
+    except ImageTooManyPixels:
+        raise
+    except Image.DecompressionBombError:
+        raise ImageTooManyPixels() from None
+    except (OSError, SyntaxError, ValueError, EOFError):
+        raise ImageInvalid() from None
+    return _prepared(data, data, size, size, encoded)
+
+
+def _prepared(
+    data: bytes, prepared: bytes, size: tuple[int, int], original: tuple[int, int], encoded: str | None
+) -> PreparedImage:
     if prepared is not data or encoded is None or not _canonical_base64(encoded, data):
         encoded = base64.b64encode(prepared).decode("ascii")
     sha256 = hashlib.sha256(data).hexdigest()
@@ -374,8 +402,8 @@ def prepare_image(
         prepared_sha256=sha256 if prepared is data else hashlib.sha256(prepared).hexdigest(),
         width=size[0],
         height=size[1],
-        original_width=plan.size[0],
-        original_height=plan.size[1],
+        original_width=original[0],
+        original_height=original[1],
         original_bytes=len(data),
     )
 
@@ -393,17 +421,21 @@ def _canonical_base64(encoded: str, data: bytes) -> bool:
 
 def _sendable_as_is(img: Image.Image, data: bytes, limits: ImageLimits) -> bool:
     """A JPEG that re-encoding would only make worse (a second lossy pass) and cost CPU for:
-    within the long side, RGB or grey, not bloated, and nothing but a bare JFIF image
-    (`_bare_jfif`: nothing of the camera, place or person travels on, no EXIF orientation
-    either: it is upright). What our own page sends, having downscaled the photo in a
-    canvas (app/static/app.js). Decided from the header and the bytes, before decoding."""
+    within the long side, RGB or grey, not bloated (`_as_is_shape`), and nothing but a
+    bare JFIF image (`_bare_jfif`: nothing of the camera, place or person travels on, no
+    EXIF orientation either: it is upright). What our own page sends, having downscaled
+    the photo in a canvas (app/static/app.js). Decided from the header and the bytes,
+    before decoding."""
+    return _as_is_shape(img, data, limits) and _bare_jfif(data)
+
+
+def _as_is_shape(img: Image.Image, data: bytes, limits: ImageLimits) -> bool:
     size = img.size
     return (
         img.format == "JPEG"
         and max(size) <= limits.long_side
         and img.mode in ("RGB", "L")
         and len(data) <= size[0] * size[1] * AS_IS_MAX_BYTES_PER_PIXEL
-        and _bare_jfif(data)
     )
 
 
@@ -421,24 +453,35 @@ def _bare_jfif(data: bytes) -> bool:
     as the last two bytes. Any other segment (EXIF, XMP, ICC, comments, JFXX thumbnails,
     Adobe, unknown APPn/JPGn), fill or stray bytes between segments, or bytes after EOI
     means the photo is re-encoded instead."""
+    return _jfif_scans(data) > 0
+
+
+def _jfif_scans(data: bytes) -> int:
+    """The number of scans (SOS segments) of a bare JFIF image (`_bare_jfif`); 0 if it is
+    not one."""
     if not data.startswith(_JFIF_HEADER) or data[18:20] != b"\x00\x00":  # thumbnail 0x0
-        return False
-    pos, frames, end = 20, 0, len(data)
+        return 0
+    pos, frames, scans, end = 20, 0, 0, len(data)
     while pos + 2 <= end:
         if data[pos] != 0xFF:
-            return False
+            return 0
         marker = data[pos + 1]
         if marker == _EOI:
-            return pos + 2 == end and frames == 1
+            return scans if pos + 2 == end and frames == 1 else 0
         segment_end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
         if segment_end > end or segment_end < pos + 4:
-            return False
+            return 0
         if marker in _HUFFMAN_FRAMES:
             frames += 1
-        elif marker != _SOS and marker not in _TABLES:
-            return False
-        pos = _scan_end(data, segment_end) if marker == _SOS else segment_end
-    return False
+        elif marker == _SOS:
+            scans += 1
+            if scans > MAX_JPEG_SCANS:
+                return 0  # refused by `_check_type` in the lane
+            segment_end = _scan_end(data, segment_end)
+        elif marker not in _TABLES:
+            return 0
+        pos = segment_end
+    return 0
 
 
 _MARKER_IN_SCAN = re.compile(rb"\xff[^\x00\xd0-\xd7]")
