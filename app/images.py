@@ -310,12 +310,6 @@ MAX_JPEG_SCANS = 100
 _SOS_MARKER = b"\xff\xda"  # in entropy-coded data a 0xFF is always followed by 0x00 or a RST
 
 
-def _inline_candidate(data: bytes) -> bool:
-    """Cheap, from the bytes alone (one walk of the markers): a bare JFIF JPEG with a
-    single scan (sequential, one pass over the coefficients), the only kind prepared inline."""
-    return _jfif_scans(data) == 1
-
-
 class NotInline(Exception):
     """Asked to prepare an image inline, one that needs more than a check: do it in the
     CPU lane."""
@@ -344,7 +338,8 @@ def prepare_image(
             )
         with budget.hold(plan.cost):
             # The whole image decodes (one sent as it came at 1/8 scale: every coefficient is
-            # still read, the inverse DCTs cost 1/64): a corrupt or truncated one fails here.
+            # still read, the inverse DCTs cost 1/64): one cut short, or with bad tables or
+            # headers, fails here (libjpeg only warns about garbled entropy-coded data).
             img.load()
             if as_is:
                 prepared, size = data, plan.size
@@ -362,24 +357,35 @@ def prepare_image(
     return _prepared(data, prepared, size, plan.size, encoded)
 
 
+# The inline check decodes the header and this much of the scan (see `_prepare_inline`).
+INLINE_CHECK_SCAN_BYTES = 256
+_EOI_MARKER = b"\xff\xd9"
+
+
 def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> PreparedImage:
-    """Only a JPEG that goes on as it came, sequential with one scan and at most
-    `INLINE_MAX_PIXELS`, decided from its bytes and header; anything else raises
-    `NotInline` before any decoding, and the CPU lane does it all (errors included).
-    Outside the decode budget: decoded at 1/8 scale, one at a time, it cannot wait for a
-    thread's budget there. The bytes are walked once (`_inline_candidate`), which
-    settles what `_check_type` and `_sendable_as_is` would read from them again."""
-    if len(data) > limits.max_bytes or not _inline_candidate(data):
+    """Only a bare JFIF JPEG with a single scan (sequential: one pass over the coefficients)
+    that goes on as it came, of at most `INLINE_MAX_PIXELS`, decided from one walk of its
+    markers and its header; anything else raises `NotInline` before any decoding, and the
+    CPU lane does it all (errors included).
+
+    The check: libjpeg decodes the headers and the first `INLINE_CHECK_SCAN_BYTES` of the
+    scan, which refuses what decoding the whole scan would. libjpeg only warns about bad
+    entropy-coded data (a truncated or garbled scan decodes, grey where data is missing),
+    so a whole decode refuses nothing more; its errors come from the tables, the frame and
+    the scan header, all of which the head holds (tests/test_images.py compares the two on
+    thousands of corrupted files). A whole decode cost ~4x this, every scan."""
+    scans, scan_data = _jfif_walk(data)
+    if len(data) > limits.max_bytes or scans != 1:
         raise NotInline()
     try:
-        img = _open(data, "JPEG")
+        img = _open(data[: scan_data + INLINE_CHECK_SCAN_BYTES] + _EOI_MARKER, "JPEG")
         size = img.size
         if not _as_is_shape(img, data, limits) or size[0] * size[1] > INLINE_MAX_PIXELS:
             img.close()
             raise NotInline()
         _check_pixels(size, limits)
         img.draft(img.mode, (max(1, size[0] // 8), max(1, size[1] // 8)))  # as `_plan` does
-        img.load()  # corrupt or truncated: fails here
+        img.load()
         img.close()
     except ImageTooManyPixels:
         raise
@@ -453,35 +459,36 @@ def _bare_jfif(data: bytes) -> bool:
     as the last two bytes. Any other segment (EXIF, XMP, ICC, comments, JFXX thumbnails,
     Adobe, unknown APPn/JPGn), fill or stray bytes between segments, or bytes after EOI
     means the photo is re-encoded instead."""
-    return _jfif_scans(data) > 0
+    return _jfif_walk(data)[0] > 0
 
 
-def _jfif_scans(data: bytes) -> int:
-    """The number of scans (SOS segments) of a bare JFIF image (`_bare_jfif`); 0 if it is
-    not one."""
+def _jfif_walk(data: bytes) -> tuple[int, int]:
+    """A bare JFIF image's (`_bare_jfif`) number of scans (SOS segments) and where its first
+    scan's entropy-coded data starts; (0, 0) if it is not one."""
     if not data.startswith(_JFIF_HEADER) or data[18:20] != b"\x00\x00":  # thumbnail 0x0
-        return 0
-    pos, frames, scans, end = 20, 0, 0, len(data)
+        return 0, 0
+    pos, frames, scans, first_scan, end = 20, 0, 0, 0, len(data)
     while pos + 2 <= end:
         if data[pos] != 0xFF:
-            return 0
+            return 0, 0
         marker = data[pos + 1]
         if marker == _EOI:
-            return scans if pos + 2 == end and frames == 1 else 0
+            return (scans, first_scan) if pos + 2 == end and frames == 1 else (0, 0)
         segment_end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
         if segment_end > end or segment_end < pos + 4:
-            return 0
+            return 0, 0
         if marker in _HUFFMAN_FRAMES:
             frames += 1
         elif marker == _SOS:
             scans += 1
             if scans > MAX_JPEG_SCANS:
-                return 0  # refused by `_check_type` in the lane
+                return 0, 0  # refused by `_check_type` in the lane
+            first_scan = first_scan or segment_end
             segment_end = _scan_end(data, segment_end)
         elif marker not in _TABLES:
-            return 0
+            return 0, 0
         pos = segment_end
-    return 0
+    return 0, 0
 
 
 _MARKER_IN_SCAN = re.compile(rb"\xff[^\x00\xd0-\xd7]")

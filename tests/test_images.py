@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import random
 import struct
 import threading
 import time
@@ -624,3 +625,64 @@ def test_a_jpeg_of_many_scans_is_refused_before_decoding_and_never_prepared_inli
         with pytest.raises((ImageInvalid, images.NotInline)) as refused:
             prepare_image(many, LIMITS, inline=inline)
         assert refused.type is (images.NotInline if inline else ImageInvalid)
+
+
+def _whole_decode_verdict(raw: bytes) -> str:
+    """What decoding the whole image at 1/8 scale says (the inline check before it read
+    only the head of the scan)."""
+    try:
+        with Image.open(io.BytesIO(raw), formats=["JPEG"]) as img:
+            img.draft(img.mode, (max(1, img.size[0] // 8), max(1, img.size[1] // 8)))
+            img.load()
+    except (OSError, SyntaxError, ValueError, EOFError):
+        return "invalid"
+    return "ok"
+
+
+def _inline_verdict(raw: bytes) -> str:
+    try:
+        prepare_image(raw, LIMITS, inline=True)
+    except ImageInvalid:
+        return "invalid"
+    except images.NotInline:
+        return "lane"
+    return "ok"
+
+
+def _segments(raw: bytes) -> list[tuple[int, int, int]]:
+    """(marker, start, end) of each segment after APP0, up to and including the SOS header."""
+    found, pos = [], 20
+    while True:
+        marker, end = raw[pos + 1], pos + 2 + int.from_bytes(raw[pos + 2 : pos + 4], "big")
+        found.append((marker, pos, end))
+        if marker == 0xDA:
+            return found
+        pos = end
+
+
+def test_the_inline_check_refuses_what_a_whole_decode_refuses() -> None:
+    """Inline, libjpeg decodes only the headers and the head of the scan: corrupt any byte
+    of the tables, the frame or the scan header, or garble the scan itself, and it says
+    what decoding every coefficient says, for every corrupted file (fixed seed)."""
+    raw = make_jpeg(9, (320, 240))
+    assert images._jfif_walk(raw)[0] == 1 and _inline_verdict(raw) == "ok"
+    segments = _segments(raw)
+    scan_start = segments[-1][2]
+    rng = random.Random(14)
+    verdicts: dict[str, int] = {}
+    for trial in range(1500):
+        bad = bytearray(raw)
+        if trial % 5:  # a byte of a table, the frame or the scan header (not its marker or length)
+            _marker, start, end = rng.choice(segments)
+            bad[rng.randrange(start + 4, end)] = rng.randrange(256)
+        else:  # the scan: a few bytes garbled, or cut short before its EOI
+            for _ in range(4):
+                bad[rng.randrange(scan_start, len(bad) - 2)] = rng.randrange(0xFF)
+            if trial % 2:
+                bad = bad[: rng.randrange(scan_start, len(bad) - 2)] + b"\xff\xd9"
+        inline = _inline_verdict(bytes(bad))
+        if inline == "lane":  # no longer a bare single-scan JPEG sent as it came
+            continue
+        assert inline == _whole_decode_verdict(bytes(bad)), f"trial {trial}"
+        verdicts[inline] = verdicts.get(inline, 0) + 1
+    assert verdicts["invalid"] > 200 and verdicts["ok"] > 200, verdicts
