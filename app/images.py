@@ -373,9 +373,11 @@ def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> Pr
     entropy-coded data (a truncated or garbled scan decodes, grey where data is missing),
     so a whole decode refuses nothing more; its errors come from the tables, the frame and
     the scan header, all of which the head holds (tests/test_images.py compares the two on
-    thousands of corrupted files). A whole decode cost ~4x this, every scan."""
-    scans, scan_data = _jfif_walk(data)
-    if len(data) > limits.max_bytes or scans != 1:
+    1,500 corrupted files); a segment after the scan, which libjpeg reads at the end,
+    sends the image to the lane. A whole decode cost ~4x this, every scan."""
+    scans, scan_data, scan_end = _jfif_walk(data)
+    # One scan and EOI right after it: the cut below holds every segment libjpeg reads.
+    if len(data) > limits.max_bytes or scans != 1 or scan_end != len(data) - len(_EOI_MARKER):
         raise NotInline()
     try:
         img = _open(data[: scan_data + INLINE_CHECK_SCAN_BYTES] + _EOI_MARKER, "JPEG")
@@ -383,8 +385,10 @@ def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> Pr
         if not _as_is_shape(img, data, limits) or size[0] * size[1] > INLINE_MAX_PIXELS:
             img.close()
             raise NotInline()
-        _check_pixels(size, limits)
-        img.draft(img.mode, (max(1, size[0] // 8), max(1, size[1] // 8)))  # as `_plan` does
+        plan = _plan(img, data, limits, check_only=True)  # the pixel limit; draft at 1/8
+        if plan.cost > decode_budget(limits.decode_budget).capacity:  # the lane refuses it
+            img.close()
+            raise NotInline()
         img.load()
         img.close()
     except ImageTooManyPixels:
@@ -462,33 +466,34 @@ def _bare_jfif(data: bytes) -> bool:
     return _jfif_walk(data)[0] > 0
 
 
-def _jfif_walk(data: bytes) -> tuple[int, int]:
+def _jfif_walk(data: bytes) -> tuple[int, int, int]:
     """A bare JFIF image's (`_bare_jfif`) number of scans (SOS segments) and where its first
-    scan's entropy-coded data starts; (0, 0) if it is not one."""
+    scan's entropy-coded data starts and ends; (0, 0, 0) if it is not one."""
     if not data.startswith(_JFIF_HEADER) or data[18:20] != b"\x00\x00":  # thumbnail 0x0
-        return 0, 0
-    pos, frames, scans, first_scan, end = 20, 0, 0, 0, len(data)
+        return 0, 0, 0
+    pos, frames, scans, first_scan, first_scan_end, end = 20, 0, 0, 0, 0, len(data)
     while pos + 2 <= end:
         if data[pos] != 0xFF:
-            return 0, 0
+            return 0, 0, 0
         marker = data[pos + 1]
         if marker == _EOI:
-            return (scans, first_scan) if pos + 2 == end and frames == 1 else (0, 0)
+            return (scans, first_scan, first_scan_end) if pos + 2 == end and frames == 1 else (0, 0, 0)
         segment_end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
         if segment_end > end or segment_end < pos + 4:
-            return 0, 0
+            return 0, 0, 0
         if marker in _HUFFMAN_FRAMES:
             frames += 1
         elif marker == _SOS:
             scans += 1
             if scans > MAX_JPEG_SCANS:
-                return 0, 0  # refused by `_check_type` in the lane
-            first_scan = first_scan or segment_end
-            segment_end = _scan_end(data, segment_end)
+                return 0, 0, 0  # refused by `_check_type` in the lane
+            scan_start, segment_end = segment_end, _scan_end(data, segment_end)
+            if scans == 1:
+                first_scan, first_scan_end = scan_start, segment_end
         elif marker not in _TABLES:
-            return 0, 0
+            return 0, 0, 0
         pos = segment_end
-    return 0, 0
+    return 0, 0, 0
 
 
 _MARKER_IN_SCAN = re.compile(rb"\xff[^\x00\xd0-\xd7]")

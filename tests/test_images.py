@@ -686,3 +686,30 @@ def test_the_inline_check_refuses_what_a_whole_decode_refuses() -> None:
         assert inline == _whole_decode_verdict(bytes(bad)), f"trial {trial}"
         verdicts[inline] = verdicts.get(inline, 0) + 1
     assert verdicts["invalid"] > 200 and verdicts["ok"] > 200, verdicts
+
+
+def test_a_jpeg_with_a_segment_after_its_scan_is_checked_whole_in_the_lane() -> None:
+    """libjpeg reads a table after the last scan at the end of a decode, beyond the head the
+    inline check decodes: such a file is left to the lane, which refuses a bad one."""
+    raw = make_jpeg(9, (320, 240))
+    good_table = raw[:-2] + b"\xff\xdb\x00\x43\x01" + bytes(range(1, 65)) + b"\xff\xd9"  # DQT 1
+    bad_table = raw[:-2] + b"\xff\xdb\x00\x43\x07" + bytes(64) + b"\xff\xd9"  # DQT id 7: no such table
+    for trailing in (good_table, bad_table):
+        assert images._bare_jfif(trailing)
+        with pytest.raises(images.NotInline):
+            prepare_image(trailing, LIMITS, inline=True)
+    assert prepare_image(good_table, LIMITS).width == 320
+    with pytest.raises(ImageInvalid):
+        prepare_image(bad_table, LIMITS)
+
+
+def test_an_inline_jpeg_over_the_decode_budget_is_left_to_the_lane() -> None:
+    """With a decode budget smaller than what even a check would hold, the lane refuses the
+    image (413) whatever the body's size: the inline path does not take it."""
+    tight = dataclasses.replace(LIMITS, decode_budget_bytes=64 * 1024)
+    raw = make_jpeg(9, (320, 240))
+    with pytest.raises(images.NotInline):
+        prepare_image(raw, tight, inline=True)
+    with pytest.raises(ImageTooManyPixels):
+        prepare_image(raw, tight)
+    assert prepare_image(raw, LIMITS, inline=True).width == 320
