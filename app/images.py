@@ -326,7 +326,7 @@ def prepare_image(
     if inline:
         return _prepare_inline(data, limits, encoded)
     fmt = _check_type(data, limits)
-    try:
+    with _pillow_errors():
         img = _open(data, fmt)
         as_is = _sendable_as_is(img, data, limits)
         plan = _plan(img, data, limits, check_only=as_is)
@@ -347,13 +347,6 @@ def prepare_image(
                 orientation = img.getexif().get(ExifTags.Base.Orientation, 1)
                 prepared, size = _reencoded(img, plan.size, orientation, limits)
             img.close()
-    except (ImageTooManyPixels, ImageTypeUnsupported):
-        raise
-    except Image.DecompressionBombError:
-        raise ImageTooManyPixels() from None
-    except (OSError, SyntaxError, ValueError, EOFError):  # UnidentifiedImageError is an OSError
-        # Truncated, corrupt or lying about being an image.
-        raise ImageInvalid() from None
     return _prepared(data, prepared, size, plan.size, encoded)
 
 
@@ -379,7 +372,7 @@ def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> Pr
     # One scan and EOI right after it: the cut below holds every segment libjpeg reads.
     if len(data) > limits.max_bytes or scans != 1 or scan_end != len(data) - len(_EOI_MARKER):
         raise NotInline()
-    try:
+    with _pillow_errors():
         img = _open(data[: scan_data + INLINE_CHECK_SCAN_BYTES] + _EOI_MARKER, "JPEG")
         size = img.size
         if not _as_is_shape(img, data, limits) or size[0] * size[1] > INLINE_MAX_PIXELS:
@@ -391,12 +384,6 @@ def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> Pr
             raise NotInline()
         img.load()
         img.close()
-    except ImageTooManyPixels:
-        raise
-    except Image.DecompressionBombError:
-        raise ImageTooManyPixels() from None
-    except (OSError, SyntaxError, ValueError, EOFError):
-        raise ImageInvalid() from None
     return _prepared(data, data, size, size, encoded)
 
 
@@ -532,14 +519,21 @@ def _reencoded(
 def decode_plan(data: bytes, limits: ImageLimits) -> DecodePlan:
     """What `prepare_image` would hold to decode `data`, from the header alone."""
     fmt = _check_type(data, limits)
+    with _pillow_errors(), _open(data, fmt) as img:
+        return _plan(img, data, limits)
+
+
+@contextlib.contextmanager
+def _pillow_errors() -> Iterator[None]:
+    """Pillow's errors as the client's: a decompression bomb has too many pixels; a file it
+    cannot read (truncated, corrupt or lying about being an image) is invalid."""
     try:
-        with _open(data, fmt) as img:
-            return _plan(img, data, limits)
-    except ImageTooManyPixels:
+        yield
+    except (ImageTooManyPixels, ImageTypeUnsupported):
         raise
     except Image.DecompressionBombError:
         raise ImageTooManyPixels() from None
-    except (OSError, SyntaxError, ValueError, EOFError):
+    except (OSError, SyntaxError, ValueError, EOFError):  # UnidentifiedImageError is an OSError
         raise ImageInvalid() from None
 
 
