@@ -49,6 +49,7 @@ import warnings
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from PIL import ExifTags, Image, PngImagePlugin
 
@@ -380,16 +381,18 @@ def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> Pr
 
 def _scan_head(data: bytes) -> bytes | None:
     """A bare JFIF JPEG cut `CHECK_SCAN_BYTES` into its scan, EOI appended: decoding it
-    refuses what decoding the whole image would. libjpeg only warns about bad entropy-coded
-    data (a truncated or garbled scan decodes, grey where data is missing); its errors come
+    refuses what decoding the whole image would. libjpeg's sequential decoder only warns
+    about bad entropy-coded data (a truncated or garbled scan decodes, grey where data is
+    missing); its errors come
     from the tables, the frame and the scan header, all of which the head holds
     (tests/test_images.py compares the two on 1,500 corrupted files). None unless the JPEG
-    has one scan and EOI right after it: libjpeg reads a later scan's header, or a segment
-    after the scan, at the end of a decode."""
-    scans, scan_data, scan_end = _jfif_walk(data)
-    if scans != 1 or scan_end != len(data) - len(_EOI_MARKER):
+    is sequential, with one scan and EOI right after it: libjpeg reads a later scan's
+    header, or a segment after the scan, at the end of a decode, and its progressive
+    decoder refuses a DC value that overflows, anywhere in a scan."""
+    jfif = _jfif_walk(data)
+    if jfif.scans != 1 or not jfif.sequential or jfif.scan_end != len(data) - len(_EOI_MARKER):
         return None
-    return data[: scan_data + CHECK_SCAN_BYTES] + _EOI_MARKER
+    return data[: jfif.scan_data + CHECK_SCAN_BYTES] + _EOI_MARKER
 
 
 def _check_as_sent(img: Image.Image, data: bytes) -> None:
@@ -460,6 +463,7 @@ def _as_is_shape(img: Image.Image, data: bytes, limits: ImageLimits) -> bool:
 _SOS, _EOI = 0xDA, 0xD9
 _TABLES = frozenset({0xDB, 0xC4, 0xDD})
 _HUFFMAN_FRAMES = frozenset({0xC0, 0xC1, 0xC2})
+_PROGRESSIVE_FRAME = 0xC2
 _JFIF_HEADER = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00"  # SOI, then a 16-byte APP0
 
 
@@ -469,37 +473,53 @@ def _bare_jfif(data: bytes) -> bool:
     as the last two bytes. Any other segment (EXIF, XMP, ICC, comments, JFXX thumbnails,
     Adobe, unknown APPn/JPGn), fill or stray bytes between segments, or bytes after EOI
     means the photo is re-encoded instead."""
-    return _jfif_walk(data)[0] > 0
+    return _jfif_walk(data).scans > 0
 
 
-def _jfif_walk(data: bytes) -> tuple[int, int, int]:
-    """A bare JFIF image's (`_bare_jfif`) number of scans (SOS segments) and where its first
-    scan's entropy-coded data starts and ends; (0, 0, 0) if it is not one."""
+class _Jfif(NamedTuple):
+    """What one walk of a JPEG's markers tells (`_jfif_walk`)."""
+
+    scans: int  # SOS segments; 0: not a bare JFIF image
+    sequential: bool  # its frame is SOF0/SOF1, not SOF2 (progressive)
+    scan_data: int  # where its first scan's entropy-coded data starts
+    scan_end: int  # and where it ends
+
+
+_NOT_BARE = _Jfif(0, False, 0, 0)
+
+
+def _jfif_walk(data: bytes) -> _Jfif:
+    """A bare JFIF image's (`_bare_jfif`) scans, frame and first scan; `_NOT_BARE` if it is
+    not one."""
     if not data.startswith(_JFIF_HEADER) or data[18:20] != b"\x00\x00":  # thumbnail 0x0
-        return 0, 0, 0
-    pos, frames, scans, first_scan, first_scan_end, end = 20, 0, 0, 0, 0, len(data)
+        return _NOT_BARE
+    pos, frame, scans, first_scan, first_scan_end, end = 20, 0, 0, 0, 0, len(data)
     while pos + 2 <= end:
         if data[pos] != 0xFF:
-            return 0, 0, 0
+            return _NOT_BARE
         marker = data[pos + 1]
         if marker == _EOI:
-            return (scans, first_scan, first_scan_end) if pos + 2 == end and frames == 1 else (0, 0, 0)
+            if pos + 2 != end or not frame:
+                return _NOT_BARE
+            return _Jfif(scans, frame != _PROGRESSIVE_FRAME, first_scan, first_scan_end)
         segment_end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
         if segment_end > end or segment_end < pos + 4:
-            return 0, 0, 0
+            return _NOT_BARE
         if marker in _HUFFMAN_FRAMES:
-            frames += 1
+            if frame:
+                return _NOT_BARE  # one frame only
+            frame = marker
         elif marker == _SOS:
             scans += 1
             if scans > MAX_JPEG_SCANS:
-                return 0, 0, 0  # refused by `_check_type` in the lane
+                return _NOT_BARE  # refused by `_check_type` in the lane
             scan_start, segment_end = segment_end, _scan_end(data, segment_end)
             if scans == 1:
                 first_scan, first_scan_end = scan_start, segment_end
         elif marker not in _TABLES:
-            return 0, 0, 0
+            return _NOT_BARE
         pos = segment_end
-    return 0, 0, 0
+    return _NOT_BARE
 
 
 _MARKER_IN_SCAN = re.compile(rb"\xff[^\x00\xd0-\xd7]")

@@ -670,7 +670,7 @@ def test_the_check_of_the_scans_head_refuses_what_a_whole_decode_refuses() -> No
     the scan header, or garble the scan itself, and both say what decoding every
     coefficient says, for every corrupted file (fixed seed)."""
     raw = make_jpeg(9, (320, 240))
-    assert images._jfif_walk(raw)[0] == 1 and _inline_verdict(raw) == "ok"
+    assert images._jfif_walk(raw).scans == 1 and _inline_verdict(raw) == "ok"
     segments = _segments(raw)
     scan_start = segments[-1][2]
     rng = random.Random(14)
@@ -718,3 +718,38 @@ def test_an_inline_jpeg_over_the_decode_budget_is_left_to_the_lane() -> None:
     with pytest.raises(ImageTooManyPixels):
         prepare_image(raw, tight)
     assert prepare_image(raw, LIMITS, inline=True).width == 320
+
+
+def _dc_climbing_jpeg(frame: int, side: int) -> bytes:
+    """A grey JPEG whose one scan adds +32767 to the DC value in every block: libjpeg's
+    progressive decoder refuses it once the sum overflows (~65,538 blocks in), far past the
+    head of the scan; its sequential decoder does not check."""
+
+    def segment(marker: int, body: bytes) -> bytes:
+        return bytes([0xFF, marker]) + (len(body) + 2).to_bytes(2, "big") + body
+
+    size = side.to_bytes(2, "big")
+    dc_table = segment(0xC4, b"\x00" + bytes([1, 1] + [0] * 14) + bytes([15, 0]))  # '0': 15 bits
+    ac_table = segment(0xC4, b"\x10" + bytes([1] + [0] * 15) + b"\x00")  # '0': end of block
+    progressive = frame == 0xC2
+    sos = segment(0xDA, b"\x01\x01\x00" + (b"\x00\x00\x00" if progressive else b"\x00\x3f\x00"))
+    per_block = "0" + "1" * 15 + ("" if progressive else "0")  # DC +32767, then the AC's EOB
+    bits = per_block * (side // 8) ** 2
+    bits += "1" * (-len(bits) % 8)
+    scan = int(bits, 2).to_bytes(len(bits) // 8, "big").replace(b"\xff", b"\xff\x00")
+    head = bytes.fromhex("ffd8ffe000104a46494600010100000100010000") + segment(0xDB, b"\x00" + b"\x01" * 64)
+    frame_header = segment(frame, b"\x08" + size + size + b"\x01\x01\x11\x00")
+    return head + frame_header + dc_table + ac_table + sos + scan + b"\xff\xd9"
+
+
+def test_a_progressive_jpeg_is_checked_whole_even_with_one_scan() -> None:
+    """The progressive decoder has a fatal error inside a scan (a DC value that overflows):
+    a progressive JPEG sent as it came decodes whole, whatever its scans."""
+    large = dataclasses.replace(LIMITS, long_side=2056)  # 257 x 257 blocks: past 65,538
+    refused = _dc_climbing_jpeg(0xC2, 2056)
+    assert images._jfif_walk(refused).scans == 1 and images._scan_head(refused) is None
+    with pytest.raises(ImageInvalid):
+        prepare_image(refused, large)
+    sequential = _dc_climbing_jpeg(0xC0, 2056)  # the same blocks, sequential: checked from its head
+    assert images._scan_head(sequential) is not None
+    assert prepare_image(sequential, large).width == 2056
