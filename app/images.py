@@ -383,12 +383,11 @@ def _scan_head(data: bytes) -> bytes | None:
     """A bare JFIF JPEG cut `CHECK_SCAN_BYTES` into its scan, EOI appended: decoding it
     refuses what decoding the whole image would. libjpeg's sequential decoder only warns
     about bad entropy-coded data (a truncated or garbled scan decodes, grey where data is
-    missing); its errors come
-    from the tables, the frame and the scan header, all of which the head holds
-    (tests/test_images.py compares the two on 1,500 corrupted files). None unless the JPEG
-    is sequential, with one scan and EOI right after it: libjpeg reads a later scan's
-    header, or a segment after the scan, at the end of a decode, and its progressive
-    decoder refuses a DC value that overflows, anywhere in a scan."""
+    missing); its errors come from the tables, the frame and the scan header, all of which
+    the head holds (tests/test_images.py compares the two on 1,500 corrupted files). None
+    unless the JPEG is sequential, with one scan and EOI right after it: libjpeg reads a
+    later scan's header, or a segment after the scan, at the end of a decode, and its
+    progressive decoder refuses a DC value that overflows, anywhere in a scan."""
     jfif = _jfif_walk(data)
     if jfif.scans != 1 or not jfif.sequential or jfif.scan_end != len(data) - len(_EOI_MARKER):
         return None
