@@ -327,9 +327,10 @@ def prepare_image(
     if inline:
         return _prepare_inline(data, limits, encoded)
     fmt = _check_type(data, limits)
+    jfif = _jfif_walk(data)
     with _pillow_errors():
         img = _open(data, fmt)
-        as_is = _sendable_as_is(img, data, limits)
+        as_is = _sendable_as_is(img, data, limits, jfif)
         plan = _plan(img, data, limits, check_only=as_is)
         budget = decode_budget(limits.decode_budget)
         if plan.cost > budget.capacity:
@@ -340,7 +341,7 @@ def prepare_image(
         with budget.hold(plan.cost):
             # One cut short, or with bad tables or headers, fails here.
             if as_is:
-                _check_as_sent(img, data)
+                _check_as_sent(img, data, jfif)
                 prepared, size = data, plan.size
             else:
                 img.load()
@@ -361,7 +362,7 @@ def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> Pr
     from one walk of its markers and its header, checked from its head (`_scan_head`);
     anything else raises `NotInline` before any decoding, and the CPU lane does it all
     (errors included)."""
-    head = _scan_head(data) if len(data) <= limits.max_bytes else None
+    head = _scan_head(data, _jfif_walk(data)) if len(data) <= limits.max_bytes else None
     if head is None:
         raise NotInline()
     with _pillow_errors():
@@ -379,7 +380,7 @@ def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> Pr
     return _prepared(data, data, size, size, encoded)
 
 
-def _scan_head(data: bytes) -> bytes | None:
+def _scan_head(data: bytes, jfif: _Jfif) -> bytes | None:
     """A bare JFIF JPEG cut `CHECK_SCAN_BYTES` into its scan, EOI appended: decoding it
     refuses what decoding the whole image would. libjpeg's sequential decoder only warns
     about bad entropy-coded data (a truncated or garbled scan decodes, grey where data is
@@ -388,18 +389,17 @@ def _scan_head(data: bytes) -> bytes | None:
     unless the JPEG is sequential, with one scan and EOI right after it: libjpeg reads a
     later scan's header, or a segment after the scan, at the end of a decode, and its
     progressive decoder refuses a DC value that overflows, anywhere in a scan."""
-    jfif = _jfif_walk(data)
     if jfif.scans != 1 or not jfif.sequential or jfif.scan_end != len(data) - len(_EOI_MARKER):
         return None
     return data[: jfif.scan_data + CHECK_SCAN_BYTES] + _EOI_MARKER
 
 
-def _check_as_sent(img: Image.Image, data: bytes) -> None:
+def _check_as_sent(img: Image.Image, data: bytes, jfif: _Jfif) -> None:
     """Decode a JPEG that goes on as it came (`img`, its draft at 1/8 set by `_plan`) only
     to check it: from its head where it has one (`_scan_head`, ~0.1 ms where a 768 px
     JPEG of 240 KB took ~1.8 ms whole), else whole (every coefficient is still read; the
     inverse DCTs cost 1/64)."""
-    head = _scan_head(data)
+    head = _scan_head(data, jfif)
     if head is None:
         img.load()
         return
@@ -437,14 +437,14 @@ def _canonical_base64(encoded: str, data: bytes) -> bool:
     )
 
 
-def _sendable_as_is(img: Image.Image, data: bytes, limits: ImageLimits) -> bool:
+def _sendable_as_is(img: Image.Image, data: bytes, limits: ImageLimits, jfif: _Jfif) -> bool:
     """A JPEG that re-encoding would only make worse (a second lossy pass) and cost CPU for:
     within the long side, RGB or grey, not bloated (`_as_is_shape`), and nothing but a
-    bare JFIF image (`_bare_jfif`: nothing of the camera, place or person travels on, no
+    bare JFIF image (`jfif`, `_jfif_walk`: nothing of the camera, place or person travels on, no
     EXIF orientation either: it is upright). What our own page sends, having downscaled
     the photo in a canvas (app/static/app.js). Decided from the header and the bytes,
     before decoding."""
-    return _as_is_shape(img, data, limits) and _bare_jfif(data)
+    return jfif.scans > 0 and _as_is_shape(img, data, limits)
 
 
 def _as_is_shape(img: Image.Image, data: bytes, limits: ImageLimits) -> bool:
@@ -466,15 +466,6 @@ _PROGRESSIVE_FRAME = 0xC2
 _JFIF_HEADER = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00"  # SOI, then a 16-byte APP0
 
 
-def _bare_jfif(data: bytes) -> bool:
-    """Whether `data` is a JPEG's image and nothing else, read marker by marker: SOI, one
-    16-byte JFIF APP0 without a thumbnail, tables, one SOF0-2 frame, its scans, and EOI
-    as the last two bytes. Any other segment (EXIF, XMP, ICC, comments, JFXX thumbnails,
-    Adobe, unknown APPn/JPGn), fill or stray bytes between segments, or bytes after EOI
-    means the photo is re-encoded instead."""
-    return _jfif_walk(data).scans > 0
-
-
 class _Jfif(NamedTuple):
     """What one walk of a JPEG's markers tells (`_jfif_walk`)."""
 
@@ -488,8 +479,12 @@ _NOT_BARE = _Jfif(0, False, 0, 0)
 
 
 def _jfif_walk(data: bytes) -> _Jfif:
-    """A bare JFIF image's (`_bare_jfif`) scans, frame and first scan; `_NOT_BARE` if it is
-    not one."""
+    """A bare JFIF image's scans, frame and first scan; `_NOT_BARE` if `data` is not one.
+    Bare: a JPEG's image and nothing else, read marker by marker: SOI, one 16-byte JFIF
+    APP0 without a thumbnail, tables, one SOF0-2 frame, its scans, and EOI as the last two
+    bytes. Any other segment (EXIF, XMP, ICC, comments, JFXX thumbnails, Adobe, unknown
+    APPn/JPGn), fill or stray bytes between segments, or bytes after EOI means the photo
+    is re-encoded instead."""
     if not data.startswith(_JFIF_HEADER) or data[18:20] != b"\x00\x00":  # thumbnail 0x0
         return _NOT_BARE
     pos, frame, scans, first_scan, first_scan_end, end = 20, 0, 0, 0, 0, len(data)

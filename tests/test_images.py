@@ -162,14 +162,14 @@ HIDDEN = [
 @pytest.mark.parametrize("hide", HIDDEN)
 def test_anything_but_a_bare_jfif_image_is_not_sent_as_it_came(hide: Callable[[bytes], bytes]) -> None:
     raw = make_jpeg(5, (320, 240))
-    assert images._bare_jfif(raw)
-    assert not images._bare_jfif(hide(raw))
+    assert images._jfif_walk(raw).scans > 0
+    assert images._jfif_walk(hide(raw)).scans == 0
 
 
 def test_a_progressive_jfif_is_bare_too() -> None:
     out = io.BytesIO()
     Image.open(io.BytesIO(make_jpeg(6, (320, 240)))).save(out, "JPEG", quality=85, progressive=True)
-    assert images._bare_jfif(out.getvalue())
+    assert images._jfif_walk(out.getvalue()).scans > 0
 
 
 def _cmyk(raw: bytes) -> bytes:
@@ -700,7 +700,7 @@ def test_a_jpeg_with_a_segment_after_its_scan_is_checked_whole_in_the_lane() -> 
     good_table = raw[:-2] + b"\xff\xdb\x00\x43\x01" + bytes(range(1, 65)) + b"\xff\xd9"  # DQT 1
     bad_table = raw[:-2] + b"\xff\xdb\x00\x43\x07" + bytes(64) + b"\xff\xd9"  # DQT id 7: no such table
     for trailing in (good_table, bad_table):
-        assert images._bare_jfif(trailing)
+        assert images._jfif_walk(trailing).scans > 0
         with pytest.raises(images.NotInline):
             prepare_image(trailing, LIMITS, inline=True)
     assert prepare_image(good_table, LIMITS).width == 320
@@ -747,9 +747,10 @@ def test_a_progressive_jpeg_is_checked_whole_even_with_one_scan() -> None:
     a progressive JPEG sent as it came decodes whole, whatever its scans."""
     large = dataclasses.replace(LIMITS, long_side=2056)  # 257 x 257 blocks: past 65,538
     refused = _dc_climbing_jpeg(0xC2, 2056)
-    assert images._jfif_walk(refused).scans == 1 and images._scan_head(refused) is None
+    walked = images._jfif_walk(refused)
+    assert walked.scans == 1 and images._scan_head(refused, walked) is None
     with pytest.raises(ImageInvalid):
         prepare_image(refused, large)
     sequential = _dc_climbing_jpeg(0xC0, 2056)  # the same blocks, sequential: checked from its head
-    assert images._scan_head(sequential) is not None
+    assert images._scan_head(sequential, images._jfif_walk(sequential)) is not None
     assert prepare_image(sequential, large).width == 2056
