@@ -172,11 +172,11 @@ class ScanAcceptance:
         check, here: `_parsed_inline`); the time it took."""
         started = time.perf_counter()
         scan_input = _parsed_inline(body.data, content_type, self._limits)
+        inline = scan_input is not None
         if scan_input is None:  # the lane observes its queue and run time
             scan_input = await self._cpu.run(parse_scan_body, body.data, content_type, self._limits)
-            prepare_s = time.perf_counter() - started
-        else:
-            prepare_s = time.perf_counter() - started
+        prepare_s = time.perf_counter() - started
+        if inline:
             self._metrics.stage_service.labels("prepare").observe(prepare_s)  # it never queued
         self._metrics.prepare_duration.observe(prepare_s)
         return scan_input, prepare_s
