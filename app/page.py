@@ -1,7 +1,9 @@
 """The "try it" web page: `/` and `/static/<name>`, served from the package's
 `app/static/` directory (plain HTML/CSS/ES modules, no build step).
 
-Files are read once and kept in memory. Each response carries a strong ETag (the
+Files are read once and kept in memory. The page carries the service's
+`IMAGE_LONG_SIDE` (a `<meta>` the script reads), so the photo it downscales is one the
+service sends on as it came instead of decoding and re-encoding it. Each response carries a strong ETag (the
 package version plus a hash of the bytes) and answers `If-None-Match` with 304. The
 page itself is revalidated on every load (`no-cache`); the assets it links carry
 `?v=<package version>` in their URL and are cached for a day when the version matches.
@@ -21,6 +23,7 @@ from fastapi.responses import Response
 router = APIRouter(include_in_schema=False)
 
 VERSION_PLACEHOLDER = "__VERSION__"
+LONG_SIDE_PLACEHOLDER = "__IMAGE_LONG_SIDE__"
 ASSET_MAX_AGE_S = 86_400
 _TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -51,7 +54,7 @@ def package_version() -> str:
 
 
 @cache
-def static_files() -> dict[str, StaticFile]:
+def static_files(image_long_side: int) -> dict[str, StaticFile]:
     version = package_version()
     files: dict[str, StaticFile] = {}
     for entry in importlib.resources.files("app").joinpath("static").iterdir():
@@ -61,6 +64,7 @@ def static_files() -> dict[str, StaticFile]:
         body = entry.read_bytes()
         if suffix in (".html", ".js", ".css"):
             body = body.replace(VERSION_PLACEHOLDER.encode(), version.encode())
+            body = body.replace(LONG_SIDE_PLACEHOLDER.encode(), str(image_long_side).encode())
         digest = hashlib.sha256(body).hexdigest()[:16]
         files[entry.name] = StaticFile(body, _TYPES[suffix], f'"{version}-{digest}"')
     return files
@@ -74,7 +78,7 @@ def _matches(if_none_match: str | None, etag: str) -> bool:
 
 
 def _serve(request: Request, name: str, cache_control: str) -> Response:
-    file = static_files().get(name)
+    file = static_files(request.state.resources.settings.image_long_side).get(name)
     if file is None:
         return Response(
             b'{"detail":"Not Found","code":"NOT_FOUND"}', status_code=404, media_type="application/json"

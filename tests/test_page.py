@@ -5,6 +5,8 @@ at 360 px wide, against the simulator slowed down enough to watch the answer str
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import os
 import shutil
 from pathlib import Path
@@ -32,6 +34,7 @@ async def test_index_is_html_with_an_etag_and_revalidates(service: Service) -> N
     assert etag.startswith(f'"{package_version()}-')
     assert 'lang="ko"' in response.text
     assert "__VERSION__" not in response.text
+    assert '<meta name="ecoscan-image-long-side" content="768">' in response.text
     assert f"/static/app.js?v={package_version()}" in response.text
 
     again = await service.client.get("/", headers={"If-None-Match": etag})
@@ -67,6 +70,17 @@ def chromium_path() -> str:
     return found
 
 
+# The page's upload as the browser sent it (a Blob in FormData: not in Playwright's request).
+KEEP_UPLOAD = """
+const fetchAsIs = window.fetch;
+window.fetch = async (url, init) => {
+  const image = init && init.body instanceof FormData ? init.body.get("image") : null;
+  if (image) window.keptUpload = Array.from(new Uint8Array(await image.arrayBuffer()));
+  return fetchAsIs(url, init);
+};
+"""
+
+
 async def _state(page: Page) -> str:
     value = await page.get_attribute("#result", "data-state")
     return value or ""
@@ -76,7 +90,7 @@ async def test_a_scan_in_the_browser_at_360px(
     service: Service, sim: RunningSimulator, tmp_path: Path
 ) -> None:
     # Slow enough to watch: vision ~1.4 s, the answer streams its tokens over ~1.4 s.
-    await sim_configure(sim, time_scale=0.3, text_tokens=60)
+    await sim_configure(sim, time_scale=0.3, text_tokens=60, capture_requests=2)
     photo = tmp_path / "bottle.jpg"
     photo.write_bytes(make_jpeg(7, (1600, 1200)))
 
@@ -87,6 +101,7 @@ async def test_a_scan_in_the_browser_at_360px(
             page = await browser.new_page(viewport={"width": 360, "height": 740})
             page.on("console", lambda m: problems.append(f"console: {m.text}") if m.type == "error" else None)
             page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
+            await page.add_init_script(KEEP_UPLOAD)
             await page.goto(service.url + "/")
             assert await page.locator("#send").is_disabled()
             await page.set_input_files("#photo-camera", str(photo))
@@ -129,6 +144,24 @@ async def test_a_scan_in_the_browser_at_360px(
                 # A 64-colour palette keeps it small (flat UI colours survive it).
                 with Image.open(artifact) as shot:
                     shot.convert("RGB").quantize(64).save(DOCS_SCREENSHOT, optimize=True)
+            upload = bytes(await page.evaluate("window.keptUpload"))
         finally:
             await browser.close()
     assert not problems, problems
+    _assert_sent_as_uploaded(sim, upload)
+
+
+def _assert_sent_as_uploaded(sim: RunningSimulator, upload: bytes) -> None:
+    """The page downscaled the photo to the service's IMAGE_LONG_SIDE (768 here), so the
+    model got the JPEG the browser uploaded, byte for byte: checked, not re-encoded."""
+    vision = next(
+        body
+        for body in sim.state.captured
+        if body.get("response_format", {}).get("json_schema", {}).get("name") == "waste_classification"
+    )
+    parts = vision["messages"][1]["content"]
+    url = next(part["image_url"]["url"] for part in parts if part["type"] == "image_url")
+    sent = base64.b64decode(url.removeprefix("data:image/jpeg;base64,"))
+    with Image.open(io.BytesIO(sent)) as img:
+        assert img.size == (768, 576)
+    assert sent == upload, "the service re-encoded the page's photo"

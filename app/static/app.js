@@ -2,7 +2,9 @@
 // Plain ES module, no dependencies. The contract is README.md's "The event stream".
 
 const SCAN_URL = "/api/v1/scan/classify/completion";
-const LONG_SIDE = 1280;
+// The service's IMAGE_LONG_SIDE (app/page.py writes it into the page): a photo downscaled
+// to it, a plain JPEG, goes to the model as it came, checked instead of re-encoded.
+const LONG_SIDE = Number(document.querySelector('meta[name="ecoscan-image-long-side"]')?.content) || 768;
 const JPEG_QUALITY = 0.85;
 const RESUME_DELAYS_MS = [500, 1500, 3000];
 const STEPS = ["vision", "rule", "answer", "reward"];
@@ -146,7 +148,8 @@ for (const input of [els.camera, els.pick]) {
 }
 
 // Downscale in the browser: the long side to LONG_SIDE px, re-encoded as JPEG. The
-// service would do it too, but a phone's 12-megapixel photo is slow to upload.
+// service would do it too, but a phone's 12-megapixel photo is slow to upload, and
+// re-encoding it there costs the service milliseconds of CPU per scan.
 async function downscale(file) {
   let bitmap;
   try {
@@ -163,10 +166,30 @@ async function downscale(file) {
     canvas.height = height;
     canvas.getContext("2d").drawImage(bitmap, 0, 0, width, height);
     const blob = await new Promise((resolve) => canvas.toBlob(resolve, "image/jpeg", JPEG_QUALITY));
-    return blob || file;
+    return blob ? await withoutColourProfile(blob) : file;
   } finally {
     bitmap.close();
   }
+}
+
+// Chromium's canvas JPEG carries the canvas's sRGB colour profile (an APP2 ICC_PROFILE
+// segment). Without it the JPEG is read as sRGB all the same, and it is a bare JFIF image,
+// which the service sends on as it came instead of re-encoding it (app/images.py).
+const ICC_PROFILE = [0x49, 0x43, 0x43, 0x5f, 0x50, 0x52, 0x4f, 0x46, 0x49, 0x4c, 0x45, 0x00];
+
+async function withoutColourProfile(blob) {
+  const bytes = new Uint8Array(await blob.arrayBuffer());
+  const kept = [bytes.subarray(0, 2)];
+  let pos = 2;
+  // Segments up to the first scan; a byte out of place ends the walk, the rest kept as is.
+  while (pos + 4 <= bytes.length && bytes[pos] === 0xff && bytes[pos + 1] !== 0xda) {
+    const end = pos + 2 + ((bytes[pos + 2] << 8) | bytes[pos + 3]);
+    const icc = bytes[pos + 1] === 0xe2 && ICC_PROFILE.every((b, i) => bytes[pos + 4 + i] === b);
+    if (!icc) kept.push(bytes.subarray(pos, end));
+    pos = end;
+  }
+  kept.push(bytes.subarray(pos));
+  return new Blob(kept, { type: "image/jpeg" });
 }
 
 // ---- SSE over fetch ------------------------------------------------------------
