@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp.base_protocol import BaseProtocol
 
-from app.upstream import ChatResult, StallWatch, _Failed, _read_chunks, _until_eof
+from app.upstream import ChatResult, StallWatch, _Failed, _read_chunks, _read_completion, _until_eof
 
 
 def sse(chunk: Mapping[str, object]) -> bytes:
@@ -97,6 +97,27 @@ async def ignore(_text: str) -> float:
 
 
 @pytest.mark.parametrize(
+    "odd",
+    [
+        b"not json",
+        b"[1, 2]",
+        json.dumps(content(12)).encode(),  # type: ignore[arg-type]
+        json.dumps({"choices": [{"index": 0, "delta": {"refusal": ["no"]}}]}).encode(),
+        json.dumps({"choices": ["a"]}).encode(),
+        json.dumps({"choices": [{"index": 0, "delta": "a"}]}).encode(),
+        json.dumps({"choices": [], "usage": {"prompt_tokens": "many"}}).encode(),
+        json.dumps({"choices": [], "usage": [1]}).encode(),
+    ],
+)
+async def test_a_chunk_that_is_not_a_chunk_is_a_retryable_bad_chunk(odd: bytes) -> None:
+    """Invalid JSON, and valid JSON of another shape, alike: never a crash of our own."""
+    body = sse(content("a")) + b"data: " + odd + b"\n\n" + sse(content("b", "stop")) + b"data: [DONE]\n\n"
+    with pytest.raises(_Failed) as failed:
+        await _read_chunks(ignore, feed(body, 4096), asyncio.sleep, ChatResult())
+    assert failed.value.retry and failed.value.reason == "bad_chunk"
+
+
+@pytest.mark.parametrize(
     "body",
     [
         sse(content("a")) + sse(content("b")),  # the connection just ended
@@ -172,3 +193,38 @@ async def test_a_stall_watch_leaves_an_ended_or_stopped_body_alone() -> None:
     await asyncio.sleep(0.2)
     assert await ended.read() == b"all of it" and ended.exception() is None
     assert stopped.exception() is None
+
+
+def test_a_whole_reply_gives_its_first_choice_and_usage() -> None:
+    result = ChatResult()
+    reply = {
+        "choices": [{"index": 0, "message": {"content": "{}", "refusal": None}, "finish_reason": "stop"}],
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 2,
+            "completion_tokens_details": {"reasoning_tokens": 1},
+        },
+    }
+    assert _read_completion(json.dumps(reply).encode(), result) == (5, 2, 1, 0)
+    assert (result.text, result.refusal, result.finish_reason) == ("{}", "", "stop")
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        b"",
+        b"not json",
+        b"[1]",
+        b'"text"',
+        b'{"choices": {"a": 1}}',
+        b'{"choices": [{"message": "hello"}]}',
+        b'{"choices": [{"message": {"content": 12}}]}',
+        b'{"choices": [{"message": {"content": "{}", "refusal": ["no"]}}]}',
+        b'{"choices": [], "usage": {"prompt_tokens": "many"}}',
+        b'{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens_details": [1]}}',
+    ],
+)
+def test_a_whole_reply_that_is_not_a_completion_is_a_retryable_bad_body(odd: bytes) -> None:
+    with pytest.raises(_Failed) as failed:
+        _read_completion(odd, ChatResult())
+    assert failed.value.retry and failed.value.reason == "bad_body"
