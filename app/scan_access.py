@@ -101,7 +101,9 @@ class ScanAccess:
         log = EventLog.from_json(stored.event_log)
         if _past_the_end(log, after):
             return Response(status_code=204, headers=headers)
-        return replayed_response(str(scan_id), log, after=after, ping_s=self._ping_s, headers=headers)
+        return replayed_response(
+            str(scan_id), log, self._metrics, after=after, ping_s=self._ping_s, headers=headers
+        )
 
     async def _follow_elsewhere(
         self, scan_id: uuid.UUID, after: int, headers: dict[str, str] | None
@@ -113,7 +115,7 @@ class ScanAccess:
         entries = await self._streams.follow(scan_id, after, still_running=still_running)
         if entries is None:
             return Response(status_code=204, headers=headers)
-        return followed_response(str(scan_id), entries, ping_s=self._ping_s, headers=headers)
+        return followed_response(str(scan_id), entries, self._metrics, ping_s=self._ping_s, headers=headers)
 
     async def _still_running(self, scan_id: uuid.UUID) -> bool:
         """Whether its row still says `running` (a database that does not answer: yes)."""

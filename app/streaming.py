@@ -54,18 +54,29 @@ def resumed_response(
 
 
 def replayed_response(
-    job_id: str, log: EventLog, *, after: int, ping_s: float, headers: dict[str, str] | None = None
+    job_id: str,
+    log: EventLog,
+    metrics: Metrics,
+    *,
+    after: int,
+    ping_s: float,
+    headers: dict[str, str] | None = None,
 ) -> EventSourceResponse:
     """A finished scan's stored log from `after` on: the same bytes the original sent."""
-    return _response(job_id, _stored(job_id, log, after), ping_s, headers)
+    return _response(job_id, _stored(job_id, log, after, metrics), ping_s, headers)
 
 
 def followed_response(
-    job_id: str, entries: AsyncIterator[LogEntry], *, ping_s: float, headers: dict[str, str] | None = None
+    job_id: str,
+    entries: AsyncIterator[LogEntry],
+    metrics: Metrics,
+    *,
+    ping_s: float,
+    headers: dict[str, str] | None = None,
 ) -> EventSourceResponse:
     """A scan another replica runs, from the Redis Stream it mirrors its log to
     (app/scan_streams.py): the same bytes its owner sends."""
-    return _response(job_id, _mirrored(job_id, entries), ping_s, headers)
+    return _response(job_id, _mirrored(job_id, entries, metrics), ping_s, headers)
 
 
 def _response(
@@ -104,9 +115,13 @@ async def _live(run: ScanRun, metrics: Metrics, after: int, *, first_event: bool
         run.detach()
 
 
-async def _stored(job_id: str, log: EventLog, after: int) -> AsyncIterator[bytes]:
-    async for batch in log.follow_batches(after):
-        yield encode_batch(job_id, batch)
+async def _stored(job_id: str, log: EventLog, after: int, metrics: Metrics) -> AsyncIterator[bytes]:
+    metrics.streams_open.inc()
+    try:
+        async for batch in log.follow_batches(after):
+            yield encode_batch(job_id, batch)
+    finally:
+        metrics.streams_open.dec()
 
 
 def encode_batch(job_id: str, batch: list[LogEntry]) -> bytes:
@@ -115,9 +130,13 @@ def encode_batch(job_id: str, batch: list[LogEntry]) -> bytes:
     return b"".join([encode_event(job_id, entry) for entry in batch])
 
 
-async def _mirrored(job_id: str, entries: AsyncIterator[LogEntry]) -> AsyncIterator[bytes]:
-    async for entry in entries:
-        yield encode_event(job_id, entry)
+async def _mirrored(job_id: str, entries: AsyncIterator[LogEntry], metrics: Metrics) -> AsyncIterator[bytes]:
+    metrics.streams_open.inc()
+    try:
+        async for entry in entries:
+            yield encode_event(job_id, entry)
+    finally:
+        metrics.streams_open.dec()
 
 
 def encode_event(job_id: str, entry: LogEntry) -> bytes:

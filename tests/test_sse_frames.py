@@ -1,16 +1,27 @@
 """The SSE frames `app/streaming.py` writes by hand are the bytes sse-starlette's own
 `ServerSentEvent` would write for the same event with the stdlib's compact JSON: clients,
-stored logs and replays keep working across the switch to orjson."""
+stored logs and replays keep working across the switch to orjson. And every kind of
+stream it makes counts as open while it is."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 from sse_starlette import ServerSentEvent
 
-from app.scan_events import AnswerDelta, LogEntry, ScanDone, ScanErrored, StageCompleted, StageStarted
-from app.streaming import encode_batch, encode_event
+from app.metrics import Metrics
+from app.scan_events import (
+    AnswerDelta,
+    EventLog,
+    LogEntry,
+    ScanDone,
+    ScanErrored,
+    StageCompleted,
+    StageStarted,
+)
+from app.streaming import encode_batch, encode_event, followed_response, replayed_response
 
 TEXTS = [
     "plain",
@@ -46,3 +57,33 @@ def test_every_event_kind_is_framed_as_sse_starlette_frames_it(text: str) -> Non
 def test_a_batch_is_its_frames_back_to_back() -> None:
     entries = [LogEntry(1, 5, StageStarted("vision")), LogEntry(2, 60, AnswerDelta("answer", "a\nb"))]
     assert encode_batch("j", entries) == b"".join(stdlib_frame("j", e) for e in entries)
+
+
+async def test_a_replayed_or_followed_stream_counts_as_open_while_it_is() -> None:
+    """`ecoscan_sse_streams_open` is every open event stream, not only those of a scan
+    running here: a replay of a finished one, or one followed from another replica, too."""
+    metrics = Metrics(process=False)
+
+    def open_streams() -> float | None:
+        return metrics.registry.get_sample_value("ecoscan_sse_streams_open")
+
+    log = EventLog()
+    log.append(StageStarted("vision"), 2)
+    log.append(ScanErrored("vision", "UPSTREAM_ERROR", "boom", True))
+    replay = replayed_response("job", log, metrics, after=0, ping_s=0).body_iterator
+    assert open_streams() == 0
+    assert b"event: error" in await anext(replay)  # type: ignore[call-overload]
+    assert open_streams() == 1
+    with pytest.raises(StopAsyncIteration):
+        await anext(replay)  # type: ignore[call-overload]
+    assert open_streams() == 0
+
+    async def mirrored() -> AsyncIterator[LogEntry]:
+        for entry in log.entries:
+            yield entry
+
+    followed = followed_response("job", mirrored(), metrics, ping_s=0).body_iterator
+    await anext(followed)  # type: ignore[call-overload]
+    assert open_streams() == 1
+    await followed.aclose()  # type: ignore[attr-defined]  # the client went away
+    assert open_streams() == 0
