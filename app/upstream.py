@@ -451,24 +451,27 @@ def _body(call: ChatCall, *, stream: bool) -> dict[str, Any]:
 
 
 def _read_completion(content: bytes, result: ChatResult) -> _Usage | None:
-    """A whole (not streamed) reply: its first choice and its usage. Invalid JSON, or
-    valid JSON of another shape, is a bad body."""
+    """A whole (not streamed) reply: its first choice and its usage. Not JSON is a bad
+    body (retried: a cut connection can do that); JSON of another shape is `_bad_shape`."""
     try:
-        return _read_reply(orjson.loads(content), result)
-    except (ValueError, AttributeError, TypeError, LookupError):
+        completion = orjson.loads(content)
+    except ValueError:
         raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_body") from None
+    try:
+        return _read_reply(completion, result)
+    except _SHAPE_ERRORS:
+        raise _bad_shape() from None
 
 
 def _read_reply(completion: dict[str, Any], result: ChatResult) -> _Usage | None:
+    """The first choice's text, refusal and finish reason (into `result`) and the usage."""
     choices = completion.get("choices") or ()
     choice = choices[0] if choices else None
     if isinstance(choice, dict):
         message = choice.get("message") or {}
         text, refusal = message.get("content") or "", message.get("refusal") or ""
-        if not (isinstance(text, str) and isinstance(refusal, str)):
-            raise TypeError("a message's content and refusal are strings")
-        result.text, result.refusal = text, refusal
-        result.finish_reason = choice.get("finish_reason")
+        result.text, result.refusal = _string(text), _string(refusal)
+        result.finish_reason = _finish_reason(choice)
     usage = completion.get("usage")
     return _usage_of(usage) if isinstance(usage, dict) else None
 
@@ -477,11 +480,41 @@ def _usage_of(u: dict[str, Any]) -> _Usage:
     details = u.get("completion_tokens_details") or {}
     prompt_details = u.get("prompt_tokens_details") or {}
     return (
-        int(u.get("prompt_tokens", 0)),
-        int(u.get("completion_tokens", 0)),
-        int(details.get("reasoning_tokens") or 0),
-        int(prompt_details.get("cached_tokens") or 0),
+        _token_count(u.get("prompt_tokens", 0)),
+        _token_count(u.get("completion_tokens", 0)),
+        _token_count(details.get("reasoning_tokens") or 0),
+        _token_count(prompt_details.get("cached_tokens") or 0),
     )
+
+
+# A reply that is JSON but not of the shape OpenAI documents (a piece of text that is not
+# a string, a choice that is not an object, a token count that is not a count) fails the
+# call without a retry: unlike a cut connection, the same server would answer the same way,
+# and each attempt is billed. The reading code inside is small and only reads the reply.
+_SHAPE_ERRORS = (AttributeError, TypeError, LookupError, ValueError)
+# No model's context comes near this: a larger count is not a count.
+MAX_TOKEN_COUNT = 100_000_000
+
+
+def _bad_shape() -> _Failed:
+    return _Failed(UpstreamBadResponse(), retry=False, reason="bad_shape")
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a string was expected, not {type(value).__name__}")
+    return value
+
+
+def _finish_reason(choice: dict[str, Any]) -> str | None:
+    reason = choice.get("finish_reason")
+    return None if reason is None else _string(reason)
+
+
+def _token_count(value: object) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_TOKEN_COUNT:
+        raise ValueError(f"not a token count: {value!r}")
+    return value
 
 
 async def _read_chunks(
@@ -538,8 +571,8 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 def _read_batch(payloads: list[bytes], result: ChatResult, usage: _Usage | None) -> tuple[str, _Usage | None]:
     """Streamed chunks (`data:` payloads) as one JSON array: their text (refusal and finish
-    reason go to `result`) and the last usage seen. Valid JSON of another shape (a piece
-    that is not a string, a choice that is not an object) is a bad chunk too."""
+    reason go to `result`) and the last usage seen. Not JSON is a bad chunk (retried);
+    JSON of another shape is `_bad_shape`."""
     try:
         # One orjson call for the read: ~25 % under jiter's, ~4x json.loads on these chunks.
         chunks = orjson.loads(b"[" + b",".join(payloads) + b"]")
@@ -548,13 +581,13 @@ def _read_batch(payloads: list[bytes], result: ChatResult, usage: _Usage | None)
     text = ""
     for chunk in chunks:
         if not isinstance(chunk, dict):
-            raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk")
+            raise _bad_shape()
         if "error" in chunk:  # OpenAI reports some failures inside a started stream
             raise _Failed(UpstreamError(), retry=True, reason="stream_error")
         try:
             piece, usage = _read_chunk(chunk, result, usage)
-        except (AttributeError, TypeError, ValueError):
-            raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
+        except _SHAPE_ERRORS:
+            raise _bad_shape() from None
         text += piece
     return text, usage
 
@@ -567,13 +600,13 @@ def _read_chunk(chunk: dict[str, Any], result: ChatResult, usage: _Usage | None)
     for choice in chunk.get("choices") or ():
         if choice.get("index", 0) != 0:
             continue
-        if choice.get("finish_reason"):
-            result.finish_reason = choice["finish_reason"]
+        if reason := _finish_reason(choice):
+            result.finish_reason = reason
         delta = choice.get("delta") or {}
         if refusal := delta.get("refusal"):
-            result.refusal += refusal
+            result.refusal += _string(refusal)
         if piece := delta.get("content"):
-            text += piece
+            text += _string(piece)
     return text, usage
 
 

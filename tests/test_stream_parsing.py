@@ -96,38 +96,38 @@ async def ignore(_text: str) -> float:
     return 0.0
 
 
-@pytest.mark.parametrize(
-    "odd",
-    [
-        b"not json",
-        b"[1, 2]",
-        json.dumps(content(12)).encode(),  # type: ignore[arg-type]
-        json.dumps({"choices": [{"index": 0, "delta": {"refusal": ["no"]}}]}).encode(),
-        json.dumps({"choices": ["a"]}).encode(),
-        json.dumps({"choices": [{"index": 0, "delta": "a"}]}).encode(),
-        json.dumps({"choices": [], "usage": {"prompt_tokens": "many"}}).encode(),
-        json.dumps({"choices": [], "usage": [1]}).encode(),
-    ],
-)
-async def test_a_chunk_that_is_not_a_chunk_is_a_retryable_bad_chunk(odd: bytes) -> None:
-    """Invalid JSON, and valid JSON of another shape, alike: never a crash of our own."""
-    body = sse(content("a")) + b"data: " + odd + b"\n\n" + sse(content("b", "stop")) + b"data: [DONE]\n\n"
+async def test_a_chunk_that_is_not_json_is_a_retryable_bad_chunk() -> None:
+    body = sse(content("a")) + b"data: not json\n\n" + sse(content("b", "stop")) + b"data: [DONE]\n\n"
     with pytest.raises(_Failed) as failed:
         await _read_chunks(ignore, feed(body, 4096), asyncio.sleep, ChatResult())
     assert failed.value.retry and failed.value.reason == "bad_chunk"
 
 
 @pytest.mark.parametrize(
-    "body",
+    "odd",
     [
-        sse(content("a")) + sse(content("b")),  # the connection just ended
-        sse(content("a")) + b"data: [DONE]\n\n",  # [DONE] without a finish reason
+        b"[1, 2]",
+        json.dumps(content(12)).encode(),  # type: ignore[arg-type]
+        json.dumps({"choices": [{"index": 0, "delta": {"refusal": ["no"]}}]}).encode(),
+        json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": 5}]}).encode(),
+        json.dumps({"choices": ["a"]}).encode(),
+        json.dumps({"choices": [{"index": 0, "delta": "a"}]}).encode(),
+        json.dumps({"choices": [], "usage": {"prompt_tokens": "many"}}).encode(),
+        json.dumps({"choices": [], "usage": {"prompt_tokens": "12"}}).encode(),
+        json.dumps({"choices": [], "usage": {"prompt_tokens": -3, "completion_tokens": 1}}).encode(),
+        json.dumps({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1.5}}).encode(),
+        json.dumps({"choices": [], "usage": {"prompt_tokens": True}}).encode(),
+        json.dumps({"choices": [], "usage": {"prompt_tokens": 10**12}}).encode(),
+        json.dumps({"choices": [], "usage": [1]}).encode(),
     ],
 )
-async def test_a_stream_cut_off_before_its_finish_is_a_retryable_failure(body: bytes) -> None:
+async def test_a_chunk_of_another_shape_fails_the_call_without_a_retry(odd: bytes) -> None:
+    """Valid JSON that is not a chunk: never a crash of our own, and not retried (the
+    same server would answer the same way, and each attempt is billed)."""
+    body = sse(content("a")) + b"data: " + odd + b"\n\n" + sse(content("b", "stop")) + b"data: [DONE]\n\n"
     with pytest.raises(_Failed) as failed:
-        await _read_chunks(ignore, feed(body, 4), asyncio.sleep, ChatResult())
-    assert failed.value.retry and failed.value.reason == "truncated"
+        await _read_chunks(ignore, feed(body, 4096), asyncio.sleep, ChatResult())
+    assert not failed.value.retry and failed.value.reason == "bad_shape"
 
 
 async def test_refusal_pieces_are_collected_apart_from_content() -> None:
@@ -209,22 +209,29 @@ def test_a_whole_reply_gives_its_first_choice_and_usage() -> None:
     assert (result.text, result.refusal, result.finish_reason) == ("{}", "", "stop")
 
 
+@pytest.mark.parametrize("odd", [b"", b"not json", b'{"choices": [{"message"'])
+def test_a_whole_reply_that_is_not_json_is_a_retryable_bad_body(odd: bytes) -> None:
+    with pytest.raises(_Failed) as failed:
+        _read_completion(odd, ChatResult())
+    assert failed.value.retry and failed.value.reason == "bad_body"
+
+
 @pytest.mark.parametrize(
     "odd",
     [
-        b"",
-        b"not json",
         b"[1]",
         b'"text"',
         b'{"choices": {"a": 1}}',
         b'{"choices": [{"message": "hello"}]}',
         b'{"choices": [{"message": {"content": 12}}]}',
         b'{"choices": [{"message": {"content": "{}", "refusal": ["no"]}}]}',
+        b'{"choices": [{"message": {"content": "{}"}, "finish_reason": 5}]}',
         b'{"choices": [], "usage": {"prompt_tokens": "many"}}',
+        b'{"choices": [], "usage": {"prompt_tokens": -1, "completion_tokens": 2}}',
         b'{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens_details": [1]}}',
     ],
 )
-def test_a_whole_reply_that_is_not_a_completion_is_a_retryable_bad_body(odd: bytes) -> None:
+def test_a_whole_reply_of_another_shape_fails_the_call_without_a_retry(odd: bytes) -> None:
     with pytest.raises(_Failed) as failed:
         _read_completion(odd, ChatResult())
-    assert failed.value.retry and failed.value.reason == "bad_body"
+    assert not failed.value.retry and failed.value.reason == "bad_shape"
