@@ -2,11 +2,12 @@
 `app/static/` directory (plain HTML/CSS/ES modules, no build step).
 
 Files are read once and kept in memory. The page carries the service's
-`IMAGE_LONG_SIDE` (a `<meta>` the script reads), so the photo it downscales is one the
-service sends on as it came instead of decoding and re-encoding it. Each response carries a strong ETag (the
-package version plus a hash of the bytes) and answers `If-None-Match` with 304. The
-page itself is revalidated on every load (`no-cache`); the assets it links carry
-`?v=<package version>` in their URL and are cached for a day when the version matches.
+`IMAGE_LONG_SIDE` (a `<meta>` the script reads), so the photo it downscales is one
+the service sends on as it came instead of decoding and re-encoding it. Each response
+carries a strong ETag (the package version plus a hash of the bytes) and answers
+`If-None-Match` with 304. The page itself is revalidated on every load (`no-cache`);
+the assets it links carry `?v=<package version>` in their URL and are cached for a day
+when the version matches.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from functools import cache
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+
+from app.resources import Resources
 
 router = APIRouter(include_in_schema=False)
 
@@ -78,7 +81,8 @@ def _matches(if_none_match: str | None, etag: str) -> bool:
 
 
 def _serve(request: Request, name: str, cache_control: str) -> Response:
-    file = static_files(request.state.resources.settings.image_long_side).get(name)
+    resources: Resources = request.state.resources
+    file = static_files(resources.settings.image_long_side).get(name)
     if file is None:
         return Response(
             b'{"detail":"Not Found","code":"NOT_FOUND"}', status_code=404, media_type="application/json"

@@ -166,26 +166,27 @@ async function downscale(file) {
     canvas.height = height;
     canvas.getContext("2d").drawImage(bitmap, 0, 0, width, height);
     const blob = await new Promise((resolve) => canvas.toBlob(resolve, "image/jpeg", JPEG_QUALITY));
-    return blob ? await withoutColourProfile(blob) : file;
+    return blob ? await withoutBrowserSegments(blob) : file;
   } finally {
     bitmap.close();
   }
 }
 
-// Chromium's canvas JPEG carries the canvas's sRGB colour profile (an APP2 ICC_PROFILE
-// segment). Without it the JPEG is read as sRGB all the same, and it is a bare JFIF image,
-// which the service sends on as it came instead of re-encoding it (app/images.py).
-const ICC_PROFILE = [0x49, 0x43, 0x43, 0x5f, 0x50, 0x52, 0x4f, 0x46, 0x49, 0x4c, 0x45, 0x00];
-
-async function withoutColourProfile(blob) {
+// A canvas's JPEG may carry segments of the browser's own besides its JFIF header
+// (Chromium's: its sRGB ICC profile, APP2). Without them it is read as sRGB all the same
+// (the orientation is already applied, by createImageBitmap), and it is a bare JFIF
+// image, which the service sends on as it came instead of re-encoding it (app/images.py):
+// APP1-APP15 and comments are left out, the rest kept byte for byte.
+async function withoutBrowserSegments(blob) {
   const bytes = new Uint8Array(await blob.arrayBuffer());
+  if (blob.type !== "image/jpeg" || bytes[0] !== 0xff || bytes[1] !== 0xd8) return blob;
   const kept = [bytes.subarray(0, 2)];
   let pos = 2;
   // Segments up to the first scan; a byte out of place ends the walk, the rest kept as is.
   while (pos + 4 <= bytes.length && bytes[pos] === 0xff && bytes[pos + 1] !== 0xda) {
+    const marker = bytes[pos + 1];
     const end = pos + 2 + ((bytes[pos + 2] << 8) | bytes[pos + 3]);
-    const icc = bytes[pos + 1] === 0xe2 && ICC_PROFILE.every((b, i) => bytes[pos + 4 + i] === b);
-    if (!icc) kept.push(bytes.subarray(pos, end));
+    if (!((marker >= 0xe1 && marker <= 0xef) || marker === 0xfe)) kept.push(bytes.subarray(pos, end));
     pos = end;
   }
   kept.push(bytes.subarray(pos));
