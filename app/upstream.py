@@ -572,41 +572,33 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 def _read_batch(payloads: list[bytes], result: ChatResult, usage: _Usage | None) -> tuple[str, _Usage | None]:
     """Streamed chunks (`data:` payloads) as one JSON array: their text (refusal and finish
     reason go to `result`) and the last usage seen. Not JSON is a bad chunk (retried);
-    JSON of another shape is `_bad_shape`."""
+    JSON of another shape is `_bad_shape` (a piece that is not a string fails its `+=`)."""
     try:
         # One orjson call for the read: ~25 % under jiter's, ~4x json.loads on these chunks.
         chunks = orjson.loads(b"[" + b",".join(payloads) + b"]")
     except ValueError:
         raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
     text = ""
-    for chunk in chunks:
-        if not isinstance(chunk, dict):
-            raise _bad_shape()
-        if "error" in chunk:  # OpenAI reports some failures inside a started stream
-            raise _Failed(UpstreamError(), retry=True, reason="stream_error")
-        try:
-            piece, usage = _read_chunk(chunk, result, usage)
-        except _SHAPE_ERRORS:
-            raise _bad_shape() from None
-        text += piece
-    return text, usage
-
-
-def _read_chunk(chunk: dict[str, Any], result: ChatResult, usage: _Usage | None) -> tuple[str, _Usage | None]:
-    """One chunk's text, and its usage if it carries one (else `usage`)."""
-    if chunk.get("usage"):
-        usage = _usage_of(chunk["usage"])
-    text = ""
-    for choice in chunk.get("choices") or ():
-        if choice.get("index", 0) != 0:
-            continue
-        if reason := _finish_reason(choice):
-            result.finish_reason = reason
-        delta = choice.get("delta") or {}
-        if refusal := delta.get("refusal"):
-            result.refusal += _string(refusal)
-        if piece := delta.get("content"):
-            text += _string(piece)
+    try:
+        for chunk in chunks:
+            if type(chunk) is not dict:
+                raise TypeError("a chunk is an object")
+            if "error" in chunk:  # OpenAI reports some failures inside a started stream
+                raise _Failed(UpstreamError(), retry=True, reason="stream_error")
+            if chunk.get("usage"):
+                usage = _usage_of(chunk["usage"])
+            for choice in chunk.get("choices") or ():
+                if choice.get("index", 0) != 0:
+                    continue
+                if reason := choice.get("finish_reason"):
+                    result.finish_reason = _string(reason)
+                delta = choice.get("delta") or {}
+                if refusal := delta.get("refusal"):
+                    result.refusal += refusal
+                if piece := delta.get("content"):
+                    text += piece
+    except _SHAPE_ERRORS:
+        raise _bad_shape() from None
     return text, usage
 
 
