@@ -365,18 +365,14 @@ def _prepare_inline(data: bytes, limits: ImageLimits, encoded: str | None) -> Pr
     head = _scan_head(data, _jfif_walk(data)) if len(data) <= limits.max_bytes else None
     if head is None:
         raise NotInline()
-    with _pillow_errors():
-        img = _open(head, "JPEG")
+    with _pillow_errors(), _open(head, "JPEG") as img:
         size = img.size
         if not _as_is_shape(img, data, limits) or size[0] * size[1] > INLINE_MAX_PIXELS:
-            img.close()
             raise NotInline()
         plan = _plan(img, data, limits, check_only=True)  # the pixel limit; draft at 1/8
         if plan.cost > decode_budget(limits.decode_budget).capacity:  # the lane refuses it
-            img.close()
             raise NotInline()
         img.load()
-        img.close()
     return _prepared(data, data, size, size, encoded)
 
 
