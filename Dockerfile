@@ -58,4 +58,4 @@ EXPOSE 8000
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
-CMD ["uvicorn", "app.main:app", "--http", "app.http_protocol:HttpToolsProtocol", "--host", "0.0.0.0", "--port", "8000", "--no-server-header"]
+CMD ["uvicorn", "app.main:app", "--http", "app.http.protocol:HttpToolsProtocol", "--host", "0.0.0.0", "--port", "8000", "--no-server-header"]

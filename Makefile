@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	@touch $@
 
 run: $(VENV)/.installed
-	$(BIN)/uvicorn app.main:app --http app.http_protocol:HttpToolsProtocol --host $(HOST) --port $(PORT)
+	$(BIN)/uvicorn app.main:app --http app.http.protocol:HttpToolsProtocol --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check .

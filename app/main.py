@@ -17,16 +17,16 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from app.drain import SignalRouter
 from app.errors import ClientDisconnected, EcoscanError, Overloaded
-from app.heap import tuned_heap
-from app.metrics import Metrics
-from app.openapi import install_openapi
-from app.page import router as page_router
+from app.http.openapi import install_openapi
+from app.http.page import router as page_router
+from app.http.routes import SCAN_PATH, classify_completion, router
 from app.resources import lifespan_resources
-from app.routes import SCAN_PATH, classify_completion, router
+from app.runtime.heap import tuned_heap
+from app.runtime.metrics import Metrics
+from app.scans.drain import SignalRouter
 from app.settings import Settings
-from app.streaming import take_over_shutdown
+from app.streaming.responses import take_over_shutdown
 
 log = logging.getLogger("app")
 

@@ -22,13 +22,16 @@ import asyncpg
 import httpx
 import openai
 
-from app.acceptance import ScanAcceptance
-from app.body_reader import BodyBudget, BodyReader
-from app.collections import Collections
-from app.database import EmbeddedPostgres, apply_migrations, bundled_migrations, create_pool, tagged_dsn
-from app.drain import Drain
-from app.identity import Authenticator
-from app.images import ImageLimits
+from app.db.characters import Collections
+from app.db.embedded import EmbeddedPostgres
+from app.db.migrations import apply_migrations, bundled_migrations
+from app.db.pool import create_pool, tagged_dsn
+from app.db.taxonomy import Taxonomy, load_taxonomy
+from app.images.prepare import ImageLimits
+from app.intake.acceptance import ScanAcceptance
+from app.intake.body_reader import BodyBudget, BodyReader
+from app.intake.identity import Authenticator
+from app.intake.parsing import InputLimits
 from app.limits.admission import Admission
 from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
@@ -37,25 +40,24 @@ from app.limits.retry import RetryPolicy
 from app.limits.shared_budget import SharedRateBudget
 from app.limits.shared_user_caps import SharedUserCaps
 from app.limits.stage_gate import StageGate
-from app.loop_lag import probe_loop_lag
-from app.lost_scans import purge_old_scans, sweep_lost_scans
-from app.metrics import Metrics
-from app.pipeline import ScanPipeline
-from app.redis_link import RedisLink, redact_url
-from app.reply_cache import CacheLimits, ReplyCache
-from app.scan_access import ScanAccess
-from app.scan_input import InputLimits
-from app.scan_store import ScanStore
-from app.scan_streams import ScanStreams
-from app.settings import Settings
-from app.stage_runner import StageRunner
+from app.runtime.loop_lag import probe_loop_lag
+from app.runtime.metrics import Metrics
+from app.runtime.redis_link import RedisLink, redact_url
+from app.scans.drain import Drain
+from app.scans.housekeeping import purge_old_scans, sweep_lost_scans
+from app.scans.mirror import ScanStreams
+from app.scans.pipeline import ScanPipeline
+from app.scans.runner import StageRunner
+from app.scans.store import ScanStore
+from app.settings import Settings, SettingsError
 from app.stages.answer import AnswerStage
 from app.stages.results import Character
 from app.stages.reward import RewardStage
 from app.stages.rule import RuleBook
 from app.stages.vision import VisionStage
-from app.taxonomy import Taxonomy, load_taxonomy
-from app.upstream import ChatEndpoint, Upstream
+from app.streaming.access import ScanAccess
+from app.upstream.client import ChatEndpoint, Upstream
+from app.upstream.reply_cache import CacheLimits, ReplyCache
 
 log = logging.getLogger("app")
 
@@ -95,7 +97,7 @@ class Resources:
     acceptance: ScanAcceptance
     input_limits: InputLimits
     upstream_base_url: str
-    redis: RedisLink | None = None  # REDIS_URL set: what replicas share (app/redis_link.py)
+    redis: RedisLink | None = None  # REDIS_URL set: what replicas share (app/runtime/redis_link.py)
     simulator: Any = None  # app.sim.server.RunningSimulator when embedded
 
 
@@ -217,7 +219,7 @@ async def _catalogue(pool: asyncpg.Pool[asyncpg.Record]) -> tuple[Taxonomy, list
     """Migrations, then what the stages need from the database once: taxonomy, characters."""
     async with pool.acquire() as conn:
         applied = await apply_migrations(conn, bundled_migrations())
-        # Pooled connections are not reset on release (app/database.py): whatever session
+        # Pooled connections are not reset on release (app/db/pool.py): whatever session
         # state a migration's SQL left behind goes here, before scans use the connection.
         await conn.reset()
         if applied:
@@ -337,7 +339,7 @@ async def _redis_link(settings: Settings, stack: AsyncExitStack) -> RedisLink | 
 def _scan_streams(
     settings: Settings, redis: RedisLink | None, metrics: Metrics, stack: AsyncExitStack
 ) -> ScanStreams | None:
-    """Running scans' events mirrored to Redis, for any replica to follow (app/scan_streams.py).
+    """Running scans' events mirrored to Redis, for any replica to follow (app/scans/mirror.py).
     Closed after `pipeline.cancel_all` (pushed later), so the last terminal events go out."""
     if redis is None:
         return None
@@ -355,7 +357,7 @@ async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:
 
 
 def _reply_cache(settings: Settings, stage: str, metrics: Metrics, clock: Clock) -> ReplyCache | None:
-    """The stage's reply cache (app/reply_cache.py), bounded by its VISION_/ANSWER_CACHE_*
+    """The stage's reply cache (app/upstream/reply_cache.py), bounded by its VISION_/ANSWER_CACHE_*
     settings; None when a bound of 0 turns it off (the stage then keys nothing)."""
     if stage == "vision":
         bounds = (settings.vision_cache_entries, settings.vision_cache_bytes, settings.vision_cache_ttl_s)
@@ -433,9 +435,15 @@ async def _upstream_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple
         url = settings.openai_base_url or "https://api.openai.com/v1"
         log.info("upstream: OpenAI-compatible API at %s", url)
         return url, settings.openai_api_key or "", None
+    # The simulator is a development stand-in: imported only when it runs.
+    from app.sim.config import SimConfig
     from app.sim.server import run_simulator
 
-    simulator = await stack.enter_async_context(run_simulator(settings.simulator))
+    try:
+        config = SimConfig.from_env(dict(settings.simulator_env))
+    except ValueError as exc:
+        raise SettingsError(f"SIM_* variables: {exc}") from None
+    simulator = await stack.enter_async_context(run_simulator(config))
     log.warning(
         "upstream: built-in OpenAI SIMULATOR at %s (set OPENAI_API_KEY, and OPENAI_BASE_URL for a "
         "compatible server, to use a real one; SIM_* variables tune the simulator)",

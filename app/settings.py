@@ -12,9 +12,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
-from app.model_profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
-from app.sim.config import SimConfig
+from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
+
+AUTH_MODES = ("gateway", "jwt")
+# RFC 7518 §3.2: an HS256 key at least as long as its hash output.
+MIN_SECRET_BYTES = 32
+_LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 class SettingsError(ValueError):
@@ -68,7 +73,7 @@ class Settings:
     retry_base_delay_s: float = 0.25
     retry_max_delay_s: float = 8.0
 
-    # --- many replicas, one key (app/redis_link.py, app/limits/shared_budget.py) -------
+    # --- many replicas, one key (app/runtime/redis_link.py, app/limits/shared_budget.py) -------
     # Set: the OpenAI budget, per-user caps and running scans' events are shared by every
     # process using the same Redis and prefix. Unset: everything stays in-process.
     redis_url: str | None = field(default=None, repr=False)
@@ -89,7 +94,7 @@ class Settings:
     sse_ping_s: float = 15.0
     delta_flush_ms: float = 100.0
     rules_cache_ttl_s: float = 300.0
-    # Reply caches (app/reply_cache.py): a 0 in any of a cache's three bounds turns it off.
+    # Reply caches (app/upstream/reply_cache.py): a 0 in any of a cache's three bounds turns it off.
     vision_cache_entries: int = 10_000
     vision_cache_bytes: int = 8 * 1024 * 1024
     vision_cache_ttl_s: float = 6 * 3600.0
@@ -100,12 +105,12 @@ class Settings:
     idempotency_ttl_s: float = 24 * 3600.0
     scan_retention_days: float = 30.0
     log_level: str = "INFO"
-    # The garbage collector (app/heap.py): start-up objects frozen, a young generation of
+    # The garbage collector (app/runtime/heap.py): start-up objects frozen, a young generation of
     # this many allocations, a full collection every 60 s. 0: Python's own settings.
     gc_young_threshold: int = 20_000
 
     # --- identity ---
-    # Who the caller is (app/identity.py): a gateway's X-User-ID, or a verified bearer JWT.
+    # Who the caller is (app/intake/identity.py): a gateway's X-User-ID, or a verified bearer JWT.
     auth_mode: str = "gateway"
     auth_allow_anonymous: bool | None = None  # None: the mode's default (gateway yes, jwt no)
     auth_jwt_secret: str | None = field(default=None, repr=False)
@@ -118,8 +123,10 @@ class Settings:
     auth_jwks_timeout_s: float = 5.0
 
     # --- the built-in simulator (used when OPENAI_API_KEY is unset) ------------------
-    # Read from the SIM_* variables, one per SimConfig field (see app/sim/config.py).
-    simulator: SimConfig = field(default_factory=SimConfig, metadata={"env_prefix": "SIM_"})
+    # The SIM_* variables as given, one per field of app/sim/config.py's SimConfig; read
+    # (and checked) by the lifespan only when it starts the simulator, so the service's
+    # own modules never import the simulator's.
+    simulator_env: tuple[tuple[str, str], ...] = field(default=(), metadata={"env_prefix": "SIM_"})
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -146,12 +153,50 @@ class Settings:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
         self._check_models()
         self._check_redis()
-        from app.identity import check_settings as check_identity  # not at the top: it imports us
-
-        check_identity(self)
+        self._check_identity()
         if self.openai_api_key is None and self.openai_base_url is not None:
             # A base URL without a key would silently fall back to the simulator.
             raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
+
+    def _check_identity(self) -> None:
+        """AUTH_*: one mode, one key source, and nothing set that the mode ignores."""
+        if self.auth_mode not in AUTH_MODES:
+            raise SettingsError(f"AUTH_MODE must be gateway or jwt, got {self.auth_mode!r}")
+        sources = {
+            "AUTH_JWT_SECRET": self.auth_jwt_secret,
+            "AUTH_JWKS_FILE": self.auth_jwks_file,
+            "AUTH_JWKS_URL": self.auth_jwks_url,
+        }
+        given = [name for name, value in sources.items() if value]
+        if self.auth_mode == "gateway":
+            claims = {
+                "AUTH_JWT_ISSUER": self.auth_jwt_issuer,
+                "AUTH_JWT_AUDIENCE": self.auth_jwt_audience,
+            }
+            stray = given + [name for name, value in claims.items() if value]
+            if stray:
+                # Set but unused would look like protection that is not there.
+                raise SettingsError(
+                    f"{', '.join(stray)} only apply with AUTH_MODE=jwt (AUTH_MODE is gateway)"
+                )
+            return
+        if len(given) != 1:
+            got = f" (got {', '.join(given)})" if given else ""
+            raise SettingsError(f"AUTH_MODE=jwt needs exactly one of {', '.join(sources)}{got}")
+        secret = self.auth_jwt_secret
+        if secret and len(secret.encode()) < MIN_SECRET_BYTES:
+            raise SettingsError(f"AUTH_JWT_SECRET must be at least {MIN_SECRET_BYTES} bytes long")
+        if self.auth_jwks_url:
+            self._check_jwks_url(self.auth_jwks_url)
+
+    @staticmethod
+    def _check_jwks_url(url: str) -> None:
+        parts = urlsplit(url)
+        if not parts.hostname or parts.scheme not in ("https", "http"):
+            raise SettingsError(f"AUTH_JWKS_URL must be an https:// URL, got {display_url(url)!r}")
+        if parts.scheme == "http" and parts.hostname not in _LOOPBACK_HOSTS:
+            # Whoever can alter the key set can sign tokens for any user.
+            raise SettingsError("AUTH_JWKS_URL must use https:// (plain http only to a loopback address)")
 
     def _check_redis(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -173,7 +218,7 @@ class Settings:
                 raise SettingsError(f"{names}: {exc}") from None
 
     def call_shape(self, stage: str) -> CallShape:
-        """How the `vision` or `answer` stage calls its model (see app/model_profiles.py)."""
+        """How the `vision` or `answer` stage calls its model (see app/upstream/profiles.py)."""
         vision = stage == "vision"
         return call_shape(
             self.vision_model if vision else self.answer_model,
@@ -199,8 +244,8 @@ class Settings:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.metadata.get("env_prefix"):
-                values[f.name] = _simulator_config(env)
+            if prefix := f.metadata.get("env_prefix"):
+                values[f.name] = tuple(sorted((k, v) for k, v in env.items() if k.startswith(prefix)))
                 continue
             raw = env.get(env_name(f.name))
             if raw is None or raw == "":
@@ -234,13 +279,6 @@ _MAY_BE_ZERO = {
 }
 
 
-def _simulator_config(env: Mapping[str, str]) -> SimConfig:
-    try:
-        return SimConfig.from_env(env)
-    except ValueError as exc:
-        raise SettingsError(f"SIM_* variables: {exc}") from None
-
-
 def env_name(field_name: str) -> str:
     return field_name.upper()
 
@@ -260,3 +298,13 @@ def _cast(name: str, raw: str, type_name: str) -> Any:
         return raw
     except ValueError:
         raise SettingsError(f"{env_name(name)} must be a {type_name}, got {raw!r}") from None
+
+
+def display_url(url: str) -> str:
+    """The URL without its query or credentials, for messages and logs."""
+    parts = urlsplit(url)
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        port = ":?"
+    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"

@@ -191,7 +191,7 @@ def start_replica(
 ) -> subprocess.Popen[bytes]:
     log = open(args.out / f"service-{index}.log", "wb")  # noqa: SIM115 - closed with the process
     command = [str(BIN / "uvicorn"), "app.main:app", "--port", str(port), "--no-access-log"]
-    command += ["--http", "app.http_protocol:HttpToolsProtocol"]
+    command += ["--http", "app.http.protocol:HttpToolsProtocol"]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

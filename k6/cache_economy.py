@@ -229,7 +229,7 @@ def simulator(port: int, args: argparse.Namespace, log: Path) -> contextlib.Abst
 
 def service(port: int, env: dict[str, str], log: Path) -> contextlib.AbstractContextManager[None]:
     command = [str(BIN / "uvicorn"), "app.main:app", "--port", str(port), "--no-access-log"]
-    command += ["--http", "app.http_protocol:HttpToolsProtocol"]
+    command += ["--http", "app.http.protocol:HttpToolsProtocol"]
     return running(command, f"http://127.0.0.1:{port}/readyz", log, env)
 
 

@@ -63,7 +63,7 @@ def service(
     port = free_port()
     # -P: not this checkout's working directory first on sys.path, but PYTHONPATH: each
     # service imports its own checkout's `app` package (--app-dir: an app in a folder).
-    argv = [venv_python(), "-P", "-m", "uvicorn", module, "--http", "app.http_protocol:HttpToolsProtocol"]
+    argv = [venv_python(), "-P", "-m", "uvicorn", module, "--http", "app.http.protocol:HttpToolsProtocol"]
     argv += ["--app-dir", str(checkout / app_dir), "--host", HOST, "--port", str(port), "--no-access-log"]
     env = {
         **os.environ,

@@ -10,7 +10,7 @@ CPU per scan can go on this machine:
 - one aiohttp.ClientSession (keep-alive, up to 1,024 connections) and request bodies
   pre-serialised with orjson: each call's constant part (model, parameters, json_schema)
   once at start-up, the scan's messages appended to it;
-- orjson for every JSON, and ecoscan's own asyncpg pool (app/database.py: its size, its
+- orjson for every JSON, and ecoscan's own asyncpg pool (app/db/pool.py: its size, its
   orjson jsonb codec, no reset query on release);
 - ecoscan's own migrations, taxonomy, prompts, SQL statements and event shapes;
 - per scan, ecoscan's database work: the `running` INSERT and the terminal UPDATE of
@@ -51,15 +51,16 @@ import yarl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `app`, under uvicorn --app-dir k6
 
-from app.database import apply_migrations, bundled_migrations, create_pool, tagged_dsn
-from app.scan_store import _FINISH, _INSERT
+from app.db.migrations import apply_migrations, bundled_migrations
+from app.db.pool import create_pool, tagged_dsn
+from app.db.taxonomy import Classification, Taxonomy, load_taxonomy
+from app.scans.store import _FINISH, _INSERT
 from app.settings import Settings
 from app.stages import answer as answer_stage
 from app.stages import vision as vision_stage
 from app.stages.reward import _RECORD
 from app.stages.rule import _BY_MINOR, _EXACT
-from app.taxonomy import Classification, Taxonomy, load_taxonomy
-from app.upstream import safety_identifier
+from app.upstream.client import safety_identifier
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -68,7 +69,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 log = logging.getLogger("lean_floor")
 
 SCAN_PATH = "/api/v1/scan/classify/completion"
-# Each stage's progress at start and end: app/stage_runner.py's split of 2-98 by the
+# Each stage's progress at start and end: app/scans/runner.py's split of 2-98 by the
 # stages' shares (25, 8, 45, 6). Deltas climb by one, below the answer's end; done is 100.
 SPANS = {"vision": (2, 30), "rule": (30, 39), "answer": (39, 91), "reward": (91, 98)}
 DELTA_CEILING = SPANS["answer"][1] - 1

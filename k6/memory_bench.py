@@ -166,7 +166,7 @@ def main() -> int:
     env.update(kv.split("=", 1) for kv in args.set)
     cmd = [str(BIN / "uvicorn"), "app.main:app", "--app-dir", str(args.app_dir), "--port", str(port)]
     if (args.app_dir / "app" / "http_protocol.py").exists():
-        cmd += ["--http", "app.http_protocol:HttpToolsProtocol"]
+        cmd += ["--http", "app.http.protocol:HttpToolsProtocol"]
     log = open(args.out / "service.log", "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen([*cmd, "--no-access-log"], cwd=args.app_dir, env=env, stdout=log, stderr=log)
     lines: list[str] = []

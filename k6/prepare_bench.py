@@ -24,7 +24,7 @@ import make_images
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.images import ImageLimits, prepare_image  # noqa: E402
+from app.images.prepare import ImageLimits, prepare_image  # noqa: E402
 
 LIMITS = ImageLimits(max_bytes=10_000_000, max_pixels=40_000_000, long_side=768, jpeg_quality=85)
 

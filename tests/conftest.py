@@ -30,11 +30,11 @@ import pytest
 from httpx_sse import aconnect_sse
 from PIL import Image, ImageDraw
 
-from app.database import EmbeddedPostgres
-from app.http_protocol import HttpToolsProtocol
+from app.db.embedded import EmbeddedPostgres
+from app.http.protocol import HttpToolsProtocol
 from app.main import create_app
-from app.metrics import Metrics
-from app.serving import serve_in_loop
+from app.runtime.metrics import Metrics
+from app.runtime.serving import serve_in_loop
 from app.settings import Settings
 from app.sim.config import SimConfig
 from app.sim.server import RunningSimulator, run_simulator

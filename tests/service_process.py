@@ -73,7 +73,7 @@ async def service_process(env: Mapping[str, str], log_path: Path) -> AsyncIterat
             "uvicorn",
             "app.main:app",
             "--http",
-            "app.http_protocol:HttpToolsProtocol",
+            "app.http.protocol:HttpToolsProtocol",
             "--host",
             "127.0.0.1",
             "--port",

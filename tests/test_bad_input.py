@@ -18,10 +18,10 @@ from PIL import Image
 from python_multipart.multipart import MultipartParser
 from starlette.datastructures import Headers
 
-from app import scan_input
 from app.errors import ContentEncodingUnsupported, EcoscanError
-from app.images import ImageLimits
-from app.scan_input import (
+from app.images.prepare import ImageLimits
+from app.intake import parsing as scan_input
+from app.intake.parsing import (
     MAX_JSON_DEPTH,
     MAX_MULTIPART_PARTS,
     InputLimits,

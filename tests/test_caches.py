@@ -1,4 +1,4 @@
-"""The reply caches (app/reply_cache.py): a photo already classified, or an answer already
+"""The reply caches (app/upstream/reply_cache.py): a photo already classified, or an answer already
 written for the same classification, tags and rule, is not asked of OpenAI again;
 concurrent scans of one new photo share one call. Over real HTTP against the simulator
 and PostgreSQL, plus the cache's bounds and single-flight rules on their own."""
@@ -18,14 +18,14 @@ import pytest
 from httpx_sse import aconnect_sse
 
 from app.errors import ScanDeadlineExceeded, UpstreamError, UpstreamRefused
+from app.intake.parsing import parse_scan_body
 from app.limits.clock import FakeClock
-from app.metrics import Metrics
-from app.reply_cache import CacheLimits, ReplyCache
 from app.resources import Resources, lifespan_resources
-from app.scan_context import AcceptedScan
-from app.scan_events import ScanDone
-from app.scan_input import parse_scan_body
+from app.runtime.metrics import Metrics
+from app.scans.events import ScanDone
 from app.sim.server import RunningSimulator
+from app.stages.context import AcceptedScan
+from app.upstream.reply_cache import CacheLimits, ReplyCache
 
 from .conftest import (
     SCAN_URL,

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from httpx_sse import aconnect_sse
 
-from app.database import EmbeddedPostgres
+from app.db.embedded import EmbeddedPostgres
 from app.sim.server import RunningSimulator
 
 from .conftest import (

@@ -38,12 +38,12 @@ import yaml  # type: ignore[import-untyped]
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.http_protocol import HttpToolsProtocol
-from app.images import ImageLimits
+from app.http.protocol import HttpToolsProtocol
+from app.images.prepare import ImageLimits
+from app.intake.parsing import InputLimits
 from app.main import create_app
-from app.metrics import Metrics
-from app.scan_input import InputLimits
-from app.serving import serve_in_loop
+from app.runtime.metrics import Metrics
+from app.runtime.serving import serve_in_loop
 from app.settings import Settings, SettingsError, env_name
 from app.sim.server import RunningSimulator
 

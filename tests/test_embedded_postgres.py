@@ -17,8 +17,8 @@ import asyncpg
 import psutil
 import pytest
 
-from app import database
-from app.database import EmbeddedPostgres
+from app.db import embedded as database
+from app.db.embedded import EmbeddedPostgres
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ POLL_S = 0.1
 
 CHILD = """
 import asyncio, sys
-from app.database import EmbeddedPostgres
+from app.db.embedded import EmbeddedPostgres
 
 async def main() -> None:
     embedded = EmbeddedPostgres(sys.argv[1])

@@ -21,8 +21,8 @@ import asyncpg
 import pytest
 from httpx_sse import aconnect_sse
 
-from app.database import apply_migrations, bundled_migrations
-from app.images import prepare_image
+from app.db.migrations import apply_migrations, bundled_migrations
+from app.images.prepare import prepare_image
 from app.sim.server import RunningSimulator
 
 from .conftest import (
@@ -209,7 +209,7 @@ async def test_a_full_cpu_lane_refuses_a_scan_with_503(
         release.wait(10.0)
         return prepare_image(*args, **kwargs)
 
-    monkeypatch.setattr("app.scan_input.prepare_image", held_prepare)
+    monkeypatch.setattr("app.intake.parsing.prepare_image", held_prepare)
     settings = settings_for(database_url, sim, cpu_max_workers=1, cpu_queue_limit=0)
     async with running_service(settings) as svc:
         rows_before = await db.fetchval("SELECT count(*) FROM scans")
@@ -238,7 +238,7 @@ async def test_an_unexpected_error_before_the_stream_is_a_500_json_and_nothing_r
     def broken_prepare(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("app.scan_input.prepare_image", broken_prepare)
+    monkeypatch.setattr("app.intake.parsing.prepare_image", broken_prepare)
     rows_before = await db.fetchval("SELECT count(*) FROM scans")
     outcome = await run_scan(service.client, **photo(47))
     assert (outcome.status, outcome.body) == (500, {"detail": "Internal error.", "code": "INTERNAL_ERROR"})

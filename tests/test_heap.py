@@ -1,4 +1,4 @@
-"""The garbage collector's settings while an app runs (app/heap.py), in this process's
+"""The garbage collector's settings while an app runs (app/runtime/heap.py), in this process's
 real collector: frozen start-up heap, the young threshold, the periodic collection, and
 the interpreter's settings back once the last app has left."""
 
@@ -8,7 +8,7 @@ import asyncio
 import gc
 import weakref
 
-from app.heap import tuned_heap
+from app.runtime.heap import tuned_heap
 
 
 class Node:

@@ -1,4 +1,4 @@
-"""The HTTP layer under the app (app/http_protocol.py): request heads are bounded and
+"""The HTTP layer under the app (app/http/protocol.py): request heads are bounded and
 protocol-level rejections get the JSON error shape, over raw sockets."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 import json
 from typing import Any
 
-from app.http_protocol import MAX_REQUEST_HEAD_BYTES
+from app.http.protocol import MAX_REQUEST_HEAD_BYTES
 
 from .conftest import Service
 

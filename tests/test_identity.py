@@ -1,4 +1,4 @@
-"""Who is calling (app/identity.py), with real tokens: HS256 with a shared secret; RS256
+"""Who is calling (app/intake/identity.py), with real tokens: HS256 with a shared secret; RS256
 and ES256 with keys generated here, from a JWK Set file and from a JWK Set served over
 loopback HTTP (caching, rotation by unknown `kid`, throttled refetches, outages).
 Requests are real `starlette.requests.Request`s built from an ASGI scope."""
@@ -36,8 +36,8 @@ from app.errors import (
     TokenInvalid,
     Unauthorized,
 )
-from app.identity import LEEWAY_S, MAX_USER_ID_CHARS, Authenticator, Caller
-from app.serving import serve_in_loop
+from app.intake.identity import LEEWAY_S, MAX_USER_ID_CHARS, Authenticator, Caller
+from app.runtime.serving import serve_in_loop
 from app.settings import Settings, SettingsError
 
 SECRET = "an HS256 secret of at least thirty-two bytes, for tests only"

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from PIL import Image, ImageDraw, ImageFile
 
-from app import images
 from app.errors import CpuLaneSaturated, ImageInvalid, ImageTooLarge, ImageTooManyPixels, ImageTypeUnsupported
-from app.images import (
+from app.images import prepare as images
+from app.images.prepare import (
     DecodeBudget,
     ImageLimits,
     _jpeg_is_multiscan,
@@ -561,7 +561,7 @@ def test_a_decode_waits_for_the_budget_only_so_long(monkeypatch: pytest.MonkeyPa
 async def test_a_small_body_whose_jpeg_goes_on_as_it_came_is_prepared_without_the_cpu_lane(
     service: Service,
 ) -> None:
-    """Parsed on the loop (app/acceptance.py, INLINE_MAX_BODY_BYTES): the CPU lane's job
+    """Parsed on the loop (app/intake/acceptance.py, INLINE_MAX_BODY_BYTES): the CPU lane's job
     count does not move. A small body whose image needs work (a PNG, a JPEG past the long
     side) and a large body go to the lane, which prepares them as before."""
 

@@ -1,5 +1,5 @@
 """The metrics' label children, looked up from a dict after the first call
-(app/metrics.py, `_KnownChildren`): the same child, the same exposition."""
+(app/runtime/metrics.py, `_KnownChildren`): the same child, the same exposition."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import prometheus_client
 import pytest
 
-from app.metrics import FAST_BUCKETS, LATENCY_BUCKETS, Counter, Gauge, Histogram, Metrics
+from app.runtime.metrics import FAST_BUCKETS, LATENCY_BUCKETS, Counter, Gauge, Histogram, Metrics
 
 
 def test_a_label_set_is_one_child_however_it_is_asked_for() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.limits.tokens import estimate_image_tokens
-from app.model_profiles import DEFAULT_PROFILE, REASONING_ALLOWANCE, call_shape, profile_for
 from app.settings import Settings, SettingsError
 from app.stages.vision import TYPICAL_IMAGE_SIZE
+from app.upstream.profiles import DEFAULT_PROFILE, REASONING_ALLOWANCE, call_shape, profile_for
+from app.upstream.tokens import estimate_image_tokens
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ def test_effort_and_token_param_come_from_the_environment() -> None:
 @pytest.mark.parametrize(
     ("model", "size", "detail", "tokens"),
     [
-        # OpenAI's published vision cost table (see app/model_profiles.py).
+        # OpenAI's published vision cost table (see app/upstream/profiles.py).
         ("gpt-4o", (768, 576), "low", 85),
         ("gpt-4o", (1024, 1024), "high", 765),
         ("gpt-4o-mini", (768, 576), "low", 2833),

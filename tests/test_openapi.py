@@ -44,8 +44,7 @@ from app.errors import (
     ScanRunningElsewhere,
     Unauthorized,
 )
-from app.main import create_app
-from app.openapi import (
+from app.http.openapi import (
     CHARACTERS_ERRORS,
     EXAMPLE_DATA_URL,
     IDENTITY_REFUSALS,
@@ -54,6 +53,7 @@ from app.openapi import (
     SCAN_STATUS_ERRORS,
     scan_refusals,
 )
+from app.main import create_app
 from app.settings import Settings
 
 from .conftest import SCAN_URL, Service, data_url, make_jpeg, run_scan

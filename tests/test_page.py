@@ -1,4 +1,4 @@
-"""The "try it" page (`/`, app/page.py + app/static/): its HTTP caching, and a real
+"""The "try it" page (`/`, app/http/page.py + app/static/): its HTTP caching, and a real
 browser — Debian's chromium driven by Playwright — taking a photo through a whole scan
 at 360 px wide, against the simulator slowed down enough to watch the answer stream."""
 
@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 from playwright.async_api import Page, async_playwright
 
-from app.page import package_version
+from app.http.page import package_version
 from app.sim.server import RunningSimulator
 from tests.conftest import Service, make_jpeg, sim_configure
 

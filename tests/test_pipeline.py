@@ -13,11 +13,10 @@ from datetime import UTC, datetime
 import asyncpg
 import pytest
 
-from app.finished_scans import FinishedScans
-from app.metrics import Metrics
+from app.intake.parsing import parse_scan_body
 from app.resources import Resources, lifespan_resources
-from app.scan_context import AcceptedScan
-from app.scan_events import (
+from app.runtime.metrics import Metrics
+from app.scans.events import (
     AnswerDelta,
     EventLog,
     LogEntry,
@@ -26,10 +25,11 @@ from app.scan_events import (
     StageCompleted,
     StageStarted,
 )
-from app.scan_input import parse_scan_body
-from app.scan_store import StoredScan
+from app.scans.finished import FinishedScans
+from app.scans.runner import progress_spans
+from app.scans.store import StoredScan
 from app.sim.server import RunningSimulator
-from app.stage_runner import progress_spans
+from app.stages.context import AcceptedScan
 
 from .conftest import data_url, make_jpeg, scan_row, settings_for, sim_configure
 

@@ -244,7 +244,7 @@ async def test_the_purge_deletes_finished_scans_past_the_retention(
     )
     job_id = uuid.UUID(done.headers["x-scan-id"])
     await db.execute("UPDATE scans SET created_at = now() - interval '40 days' WHERE id = $1", job_id)
-    from app.scan_store import ScanStore
+    from app.scans.store import ScanStore
 
     pool = await asyncpg.create_pool(str(service.settings.database_url), min_size=1, max_size=1)
     try:

@@ -23,16 +23,17 @@ from typing import Any
 import asyncpg
 import pytest
 
-from app.database import apply_migrations, bundled_migrations, create_pool
+from app.db.migrations import apply_migrations, bundled_migrations
+from app.db.pool import create_pool
+from app.db.taxonomy import Classification, load_taxonomy
 from app.limits.clock import FakeClock
-from app.metrics import Metrics
+from app.runtime.metrics import Metrics
 from app.stages.rule import (
     LISTENER_DOWN_TTL_S,
     LISTENER_INITIAL_BACKOFF_S,
     LISTENER_MAX_BACKOFF_S,
     RuleBook,
 )
-from app.taxonomy import Classification, load_taxonomy
 
 from .conftest import eventually
 

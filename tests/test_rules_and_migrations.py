@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from app.database import apply_migrations, bundled_migrations, create_pool
+from app.db.migrations import apply_migrations, bundled_migrations
+from app.db.pool import create_pool
+from app.db.taxonomy import Classification, load_taxonomy
 from app.stages.rule import RuleBook
-from app.taxonomy import Classification, load_taxonomy
 
 from .conftest import eventually, with_database
 

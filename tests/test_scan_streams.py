@@ -1,4 +1,4 @@
-"""Following a running scan from another replica through Redis Streams (app/scan_streams.py):
+"""Following a running scan from another replica through Redis Streams (app/scans/mirror.py):
 the mirror against a real Redis, then two real service instances sharing one database,
 one simulator and one Redis."""
 
@@ -16,15 +16,15 @@ import pytest
 import redis.asyncio as redis
 from httpx_sse import aconnect_sse
 
-from app import scan_streams
-from app.database import tagged_dsn
+from app.db.pool import tagged_dsn
 from app.errors import ScanRunningElsewhere
-from app.metrics import Metrics
-from app.redis_link import RedisLink
-from app.scan_events import AnswerDelta, EventLog, LogEntry, ScanDone, StageCompleted, StageStarted
-from app.scan_streams import ScanStreams
+from app.runtime.metrics import Metrics
+from app.runtime.redis_link import RedisLink
+from app.scans import mirror as scan_streams
+from app.scans.events import AnswerDelta, EventLog, LogEntry, ScanDone, StageCompleted, StageStarted
+from app.scans.mirror import ScanStreams
 from app.sim.server import RunningSimulator
-from app.streaming import encode_event
+from app.streaming.responses import encode_event
 
 from .conftest import (
     SCAN_URL,

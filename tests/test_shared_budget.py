@@ -14,7 +14,7 @@ import pytest
 
 from app.limits.rate_budget import RateBudget
 from app.limits.shared_budget import COLD_SHARE, SharedRateBudget
-from app.redis_link import RedisLink
+from app.runtime.redis_link import RedisLink
 from tests.redis_server import RedisServer
 
 LEASE_S = 0.2  # short leases: dead holders stop counting within 0.6 s

@@ -1,4 +1,4 @@
-"""The SSE frames `app/streaming.py` writes by hand are the bytes sse-starlette's own
+"""The SSE frames `app/streaming/responses.py` writes by hand are the bytes sse-starlette's own
 `ServerSentEvent` would write for the same event with the stdlib's compact JSON: clients,
 stored logs and replays keep working across the switch to orjson. And every kind of
 stream it makes counts as open while it is."""
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import pytest
 from sse_starlette import ServerSentEvent
 
-from app.metrics import Metrics
-from app.scan_events import (
+from app.runtime.metrics import Metrics
+from app.scans.events import (
     AnswerDelta,
     EventLog,
     LogEntry,
@@ -21,7 +21,7 @@ from app.scan_events import (
     StageCompleted,
     StageStarted,
 )
-from app.streaming import encode_batch, encode_event, followed_response, replayed_response
+from app.streaming.responses import encode_batch, encode_event, followed_response, replayed_response
 
 TEXTS = [
     "plain",

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from app.http_protocol import HttpToolsProtocol
-from app.serving import serve_in_loop
-from app.sse_response import LeanEventSourceResponse
+from app.http.protocol import HttpToolsProtocol
+from app.runtime.serving import serve_in_loop
+from app.streaming.sse_response import LeanEventSourceResponse
 
 from .conftest import eventually
 
@@ -108,7 +108,7 @@ async def test_a_client_that_stops_reading_is_let_go_after_the_send_timeout(
 
     body = Body(flood)
     app = app_for(body, ping=5, send_timeout=0.5, headers={"X-Scan-Id": "stuck"})
-    caplog.set_level(logging.WARNING, logger="app.sse_response")
+    caplog.set_level(logging.WARNING, logger="app.streaming.sse_response")
     async with serve_in_loop(app, http=HttpToolsProtocol) as url:
         host, port = url.removeprefix("http://").split(":")
         client = socket.create_connection((host, int(port)))

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp.base_protocol import BaseProtocol
 
-from app.upstream import ChatResult, StallWatch, _Failed, _read_chunks, _read_completion, _until_eof
+from app.upstream.client import ChatResult, StallWatch, _Failed, _read_chunks, _read_completion, _until_eof
 
 
 def sse(chunk: Mapping[str, object]) -> bytes:

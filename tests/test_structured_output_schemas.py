@@ -11,8 +11,8 @@ from typing import Any
 
 import asyncpg
 
+from app.db.taxonomy import load_taxonomy
 from app.stages.answer import ANSWER_SCHEMA
-from app.taxonomy import load_taxonomy
 
 from .conftest import Service
 

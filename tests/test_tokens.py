@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from app.limits.tokens import (
+from app.upstream.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
     REPLY_PRIMING_TOKENS,
     estimate_chat_tokens,

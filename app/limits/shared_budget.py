@@ -52,7 +52,7 @@ from importlib import resources
 from app.limits.clock import Clock
 from app.limits.rate_budget import RateBudget, Reservation
 from app.limits.rate_headers import UpstreamSnapshot
-from app.redis_link import RedisError, RedisLink
+from app.runtime.redis_link import RedisError, RedisLink
 
 __all__ = ["COLD_SHARE", "LEASE_S", "SharedRateBudget"]
 

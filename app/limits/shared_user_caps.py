@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Literal
 
-from app.redis_link import RedisError, RedisLink
+from app.runtime.redis_link import RedisError, RedisLink
 
 __all__ = ["SLOT_TTL_S", "SharedUserCaps"]
 

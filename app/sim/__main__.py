@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from app.serving import bind_socket, uvicorn_config
+from app.runtime.serving import bind_socket, uvicorn_config
 from app.sim.config import SimConfig, field_kind, field_names, parse_field_text
 from app.sim.server import create_sim_app
 

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from app.serving import serve_in_loop
+from app.runtime.serving import serve_in_loop
 from app.sim.completions import ChatCompletions
 from app.sim.config import SimConfig
 from app.sim.models import listed_models

@@ -20,7 +20,7 @@ Economy. The prompt puts what scans share first, for OpenAI's prompt cache: the 
 prompt (after the schema, which OpenAI places before it), then the rule document, the
 same for every scan of its category, then what this scan saw and asked. And a scan
 without a question of its own gets the answer an identical request already got (the
-reply cache, app/reply_cache.py): the key is a digest of the whole request — model,
+reply cache, app/upstream/reply_cache.py): the key is a digest of the whole request — model,
 parameters, schema, classification, item, tags (sorted), the rule document as sent.
 The rule's content is in the key, so a changed rule (NOTIFY clears the rule cache, the
 next scan reads the new document) can never be answered from the old one. The cached
@@ -38,12 +38,12 @@ import jiter
 import orjson
 
 from app.errors import UpstreamBadResponse
-from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
-from app.model_profiles import CallShape
-from app.reply_cache import ReplyCache, request_digest
-from app.scan_context import ScanContext
+from app.stages.context import ScanContext
 from app.stages.results import Answer, RuleMatch, VisionResult
-from app.upstream import ChatCall, ChatResult, Upstream
+from app.upstream.client import ChatCall, ChatResult, Upstream
+from app.upstream.profiles import CallShape
+from app.upstream.reply_cache import ReplyCache, request_digest
+from app.upstream.tokens import estimate_chat_tokens, estimate_text_tokens
 
 ANSWER_SCHEMA: dict[str, Any] = {
     "type": "object",

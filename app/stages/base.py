@@ -1,4 +1,4 @@
-"""The stage contract. A stage is an object the `StageRunner` (app/stage_runner.py) runs:
+"""The stage contract. A stage is an object the `StageRunner` (app/scans/runner.py) runs:
 it declares its name, its share of the stream's progress bar, its time limit and the
 upstream calls it makes (admission counts them as owed until the stage starts), and
 `run(ctx)` returns its result, raising only errors from the error tree (a stage maps its
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
-from app.scan_context import ScanContext
+from app.stages.context import ScanContext
 
 R = TypeVar("R")
 

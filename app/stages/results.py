@@ -1,13 +1,13 @@
 """What each stage produces. Stages read earlier stages' results from the `ScanContext`
-(app/scan_context.py), never from each other's modules, so these types live here."""
+(app/stages/context.py), never from each other's modules, so these types live here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.taxonomy import Classification
-from app.upstream import ChatResult
+from app.db.taxonomy import Classification
+from app.upstream.client import ChatResult
 
 
 @dataclass(frozen=True)

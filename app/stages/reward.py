@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
+from app.db.pool import DB_ERRORS
+from app.db.taxonomy import Classification
 from app.errors import DatabaseError
-from app.scan_context import ScanContext
-from app.scan_store import DB_ERRORS
+from app.stages.context import ScanContext
 from app.stages.results import Answer, Character, Reward, RuleMatch
-from app.taxonomy import Classification
 
 _RECORD = """
     INSERT INTO character_ownership (user_id, character_code, scan_id)
@@ -31,7 +31,7 @@ _RECORD = """
     RETURNING 1"""
 
 if TYPE_CHECKING:
-    from app.database import DbConn
+    from app.db.pool import DbConn
 
 
 class RewardStage:

@@ -26,12 +26,12 @@ from typing import Any
 
 import asyncpg
 
+from app.db.pool import DB_ERRORS
+from app.db.taxonomy import Classification
 from app.errors import DatabaseError
 from app.limits.clock import Clock, MonotonicClock
-from app.scan_context import ScanContext
-from app.scan_store import DB_ERRORS
+from app.stages.context import ScanContext
 from app.stages.results import RuleMatch
-from app.taxonomy import Classification
 
 log = logging.getLogger(__name__)
 

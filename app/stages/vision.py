@@ -7,7 +7,7 @@ know. The image is our prepared JPEG data URL (or the client's https URL as is).
 Economy. The request is laid out for OpenAI's prompt cache: what every scan sends
 (schema, system prompt, instruction) first, then the photo, then the user's note, so
 the same photo with another note still reuses the cached prefix. And a photo already
-classified is not sent again: the reply cache (app/reply_cache.py) keys the reply by a
+classified is not sent again: the reply cache (app/upstream/reply_cache.py) keys the reply by a
 SHA-256 of the prepared image as sent (the CPU lane's JPEG: re-encoded, or the upload
 itself when it passes as it came), the note and everything else that shapes the request
 (model, parameters, detail, schema — the taxonomy — and the prompt); concurrent scans of
@@ -25,15 +25,14 @@ from typing import Any
 
 import orjson
 
+from app.db.taxonomy import Classification, Taxonomy
 from app.errors import UpstreamBadResponse
-from app.limits.tokens import estimate_chat_tokens, estimate_text_tokens
-from app.model_profiles import CallShape
-from app.reply_cache import ReplyCache, request_digest
-from app.scan_context import ScanContext
-from app.scan_input import ScanInput
+from app.stages.context import ScanContext, ScanInput
 from app.stages.results import VisionResult
-from app.taxonomy import Classification, Taxonomy
-from app.upstream import ChatCall, ChatResult, Upstream
+from app.upstream.client import ChatCall, ChatResult, Upstream
+from app.upstream.profiles import CallShape
+from app.upstream.reply_cache import ReplyCache, request_digest
+from app.upstream.tokens import estimate_chat_tokens, estimate_text_tokens
 
 MAX_TAGS = 8
 MAX_ITEM_CHARS = 30

@@ -2,7 +2,7 @@
 // Plain ES module, no dependencies. The contract is README.md's "The event stream".
 
 const SCAN_URL = "/api/v1/scan/classify/completion";
-// The service's IMAGE_LONG_SIDE (app/page.py writes it into the page): a photo downscaled
+// The service's IMAGE_LONG_SIDE (app/http/page.py writes it into the page): a photo downscaled
 // to it, a plain JPEG, goes to the model as it came, checked instead of re-encoded.
 const LONG_SIDE = Number(document.querySelector('meta[name="ecoscan-image-long-side"]')?.content) || 768;
 const JPEG_QUALITY = 0.85;
@@ -175,7 +175,7 @@ async function downscale(file) {
 // A canvas's JPEG may carry segments of the browser's own besides its JFIF header
 // (Chromium's: its sRGB ICC profile, APP2). Without them it is read as sRGB all the same
 // (the orientation is already applied, by createImageBitmap), and it is a bare JFIF
-// image, which the service sends on as it came instead of re-encoding it (app/images.py):
+// image, which the service sends on as it came instead of re-encoding it (app/images/prepare.py):
 // APP1-APP15 and comments are left out, the rest kept byte for byte.
 async function withoutBrowserSegments(blob) {
   const bytes = new Uint8Array(await blob.arrayBuffer());

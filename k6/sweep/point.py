@@ -76,7 +76,7 @@ def service_env(point: Point, sim_port: int, database_url: str) -> dict[str, str
 def service_argv(point: Point, port: int) -> list[str]:
     # "k6/lean_floor:app": a module in a folder of the repo, imported from that folder.
     app_dir, _, app = point.fixed.app.rpartition("/")
-    argv = [venv_python(), "-m", "uvicorn", app, "--http", "app.http_protocol:HttpToolsProtocol"]
+    argv = [venv_python(), "-m", "uvicorn", app, "--http", "app.http.protocol:HttpToolsProtocol"]
     argv += ["--app-dir", app_dir] if app_dir else []
     argv += ["--host", HOST, "--port", str(port)]
     argv += ["--workers", str(point.fixed.workers)]

@@ -1,0 +1,257 @@
+"""Accepting a scan, the whole of it: who asks, the body, idempotency, admission,
+preparing it in the CPU lane, recording it, starting it. `ScanAcceptance` holds the
+admission ticket from the moment it is granted until the pipeline owns it (the
+pipeline releases it when the scan ends); any failure on the way gives it back. Every
+refusal is an `EcoscanError`, rendered before any stream starts.
+
+`Idempotency-Key`: the same caller and key within `IDEMPOTENCY_TTL_S` names the same
+scan; a retried POST gets that scan's stream (replayed from the start, then live)
+instead of a second scan, and the same key with another body is refused. Concurrent
+duplicates race on a unique index, not on a check-then-insert.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from app.errors import (
+    DatabaseError,
+    DatabaseUnavailable,
+    IdempotencyKeyReused,
+    InvalidRequest,
+    ServerShuttingDown,
+)
+from app.images.prepare import NotInline
+from app.intake.body_reader import BodyReader, BufferedBody
+from app.intake.identity import Authenticator, Caller
+from app.intake.parsing import InputLimits, check_content_encoding, parse_scan_body, request_kind
+from app.limits.admission import Admission, Ticket
+from app.limits.cpu_lane import CpuLane
+from app.runtime.metrics import Metrics
+from app.scans.pipeline import ScanPipeline
+from app.scans.run import ScanRun
+from app.scans.store import IdempotencyClaim, KeyTaken, ScanStore
+from app.stages.context import AcceptedScan, ScanInput
+from app.streaming.access import token_hash
+
+MAX_IDEMPOTENCY_KEY_CHARS = 128
+# A body this small is parsed on the event loop unless its image needs more than a check
+# (JSON, base64, an https URL, or a sequential JPEG checked at 1/8 scale: well under a
+# millisecond, and no CPU-lane queue for it to wait in): a hop to a lane thread and back
+# cost more than that (k6/cpu_per_scan.py, README's cost per scan).
+INLINE_MAX_BODY_BYTES = 64 * 1024
+# A draining replica asks clients to come back soon: by then the load balancer sends
+# them to another one.
+SHUTTING_DOWN_RETRY_AFTER_S = 2.0
+
+
+@dataclass(frozen=True)
+class NewScan:
+    run: ScanRun
+    caller: Caller
+    token: str | None  # an anonymous scan's capability token, shown once
+
+
+@dataclass(frozen=True)
+class RepeatedScan:
+    """The POST repeats an earlier one (same caller, key and body): that scan answers."""
+
+    scan_id: uuid.UUID
+    caller: Caller
+
+
+class ScanAcceptance:
+    def __init__(
+        self,
+        *,
+        admission: Admission,
+        cpu: CpuLane,
+        store: ScanStore,
+        pipeline: ScanPipeline,
+        limits: InputLimits,
+        bodies: BodyReader,
+        identity: Authenticator,
+        metrics: Metrics,
+        idempotency_ttl_s: float,
+    ) -> None:
+        self._identity = identity
+        self._claims: dict[tuple[str, str], asyncio.Future[tuple[uuid.UUID, str]]] = {}
+        self._idempotency_ttl_s = idempotency_ttl_s
+        self._admission = admission
+        self._cpu = cpu
+        self._store = store
+        self._pipeline = pipeline
+        self._limits = limits
+        self._bodies = bodies
+        self._metrics = metrics
+
+    async def accept(self, request: Request) -> NewScan | RepeatedScan:
+        received_at = time.perf_counter()
+        if not self._pipeline.accepting:
+            raise ServerShuttingDown(retry_after_s=SHUTTING_DOWN_RETRY_AFTER_S)
+        content_type = request.headers.get("content-type", "")
+        request_kind(content_type)  # 415 before reading anything
+        check_content_encoding(request.headers)  # 415 too: bodies are never decompressed
+        caller = await self._identity.caller(request)
+        key = _idempotency_key(request)
+        # Uploads cost time and memory, not admission: a slow upload holds no slot.
+        body = await self._bodies.read(request)
+        try:
+            scan_input, prepare_s = await self._prepare(body, content_type)
+        finally:
+            body.release()
+        if not key:
+            return await self._start(caller, None, scan_input, prepare_s, received_at)
+        claim = _claim(caller, key, scan_input)
+        # A duplicate while the first is being accepted here: that one answers for both
+        # (the duplicate must not be refused for the caller's cap meanwhile).
+        first = self._claims.get((claim.scope, claim.key))
+        if first is not None and (repeated := await _outcome(first, claim)) is not None:
+            return RepeatedScan(repeated, caller)
+        return await self._claim_and_start(caller, claim, scan_input, prepare_s, received_at)
+
+    async def _claim_and_start(
+        self,
+        caller: Caller,
+        claim: IdempotencyClaim,
+        scan_input: ScanInput,
+        prepare_s: float,
+        received_at: float,
+    ) -> NewScan | RepeatedScan:
+        pending: asyncio.Future[tuple[uuid.UUID, str]] = asyncio.get_running_loop().create_future()
+        self._claims[(claim.scope, claim.key)] = pending
+        try:
+            if (repeated := await self._repeated(claim)) is not None:
+                return RepeatedScan(repeated, caller)
+            new = await self._start(caller, claim, scan_input, prepare_s, received_at)
+            pending.set_result((new.run.scan.id, claim.request_sha256))
+            return new
+        except KeyTaken as taken:  # a duplicate on another replica inserted first
+            return RepeatedScan(_same_request(taken, claim), caller)
+        finally:
+            if not pending.done():
+                pending.cancel()  # the duplicates waiting on it try for themselves
+            self._claims.pop((claim.scope, claim.key), None)
+
+    async def _start(
+        self,
+        caller: Caller,
+        claim: IdempotencyClaim | None,
+        scan_input: ScanInput,
+        prepare_s: float,
+        received_at: float,
+    ) -> NewScan:
+        ticket = await self._admit(caller.rate_key)
+        try:
+            token = secrets.token_urlsafe(24) if caller.user_id is None else None
+            scan_id = await self._record(caller.user_id, scan_input, claim, token)
+        except BaseException:
+            ticket.release()
+            raise
+        timings = {"prepare_ms": round(prepare_s * 1000, 1)}
+        scan = AcceptedScan(scan_id, caller.user_id, scan_input, ticket, received_at, timings)
+        run = self._pipeline.start(scan, token_sha256=token_hash(token) if token else None)
+        return NewScan(run, caller, token)
+
+    async def _repeated(self, claim: IdempotencyClaim) -> uuid.UUID | None:
+        try:
+            taken = await self._store.find_key(claim, ttl_s=self._idempotency_ttl_s)
+        except DatabaseError:
+            raise DatabaseUnavailable() from None
+        return _same_request(taken, claim) if taken else None
+
+    async def _prepare(self, body: BufferedBody, content_type: str) -> tuple[ScanInput, float]:
+        """Parse, decode and resize in the CPU lane (a small body whose image needs only a
+        check, here: `_parsed_inline`); the time it took."""
+        started = time.perf_counter()
+        scan_input = _parsed_inline(body.data, content_type, self._limits)
+        inline = scan_input is not None
+        if scan_input is None:  # the lane observes its queue and run time
+            scan_input = await self._cpu.run(parse_scan_body, body.data, content_type, self._limits)
+        prepare_s = time.perf_counter() - started
+        if inline:
+            self._metrics.stage_service.labels("prepare").observe(prepare_s)  # it never queued
+        self._metrics.prepare_duration.observe(prepare_s)
+        return scan_input, prepare_s
+
+    async def _admit(self, user_key: str) -> Ticket:
+        try:
+            return await self._admission.admit(user_key)
+        except Exception as exc:
+            self._metrics.admission_rejected.labels(getattr(exc, "code", "error")).inc()
+            raise
+
+    async def _record(
+        self, user_id: str | None, scan_input: ScanInput, claim: IdempotencyClaim | None, token: str | None
+    ) -> uuid.UUID:
+        scan_id = uuid.uuid4()
+        try:
+            await self._store.create(
+                scan_id,
+                user_id=user_id,
+                image_source=scan_input.source,
+                image_sha256=scan_input.image.sha256 if scan_input.image else None,
+                user_input=scan_input.user_input,
+                claim=claim,
+                token_sha256=token_hash(token) if token else None,
+            )
+        except DatabaseError:
+            raise DatabaseUnavailable() from None
+        return scan_id
+
+
+def _parsed_inline(data: bytes | bytearray, content_type: str, limits: InputLimits) -> ScanInput | None:
+    """A body of up to `INLINE_MAX_BODY_BYTES` parsed on the loop, where the hop to a
+    worker thread and back costs more than the work; None when its image needs more than
+    a check (`NotInline`: the lane does it all again, the header read twice)."""
+    if len(data) > INLINE_MAX_BODY_BYTES:
+        return None
+    try:
+        return parse_scan_body(data, content_type, limits, inline=True)
+    except NotInline:
+        return None
+
+
+def _idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not key.isprintable():
+        raise InvalidRequest(f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY_CHARS} printable characters.")
+    return key
+
+
+def _claim(caller: Caller, key: str, scan_input: ScanInput) -> IdempotencyClaim:
+    """What makes two requests "the same": the image (its bytes' hash, or its URL) and the
+    question, not the body's bytes (a multipart retry has a new boundary)."""
+    image = scan_input.image.sha256 if scan_input.image else scan_input.image_url  # of the original bytes
+    what = f"{scan_input.source}\n{image}\n{scan_input.user_input or ''}"
+    return IdempotencyClaim(
+        caller.rate_key, key, hashlib.sha256(what.encode("utf-8", "surrogatepass")).hexdigest()
+    )
+
+
+async def _outcome(first: asyncio.Future[tuple[uuid.UUID, str]], claim: IdempotencyClaim) -> uuid.UUID | None:
+    """The scan the first of some concurrent duplicates started (None if it started none)."""
+    try:
+        scan_id, request_sha256 = await asyncio.shield(first)
+    except asyncio.CancelledError:
+        if not first.cancelled():
+            raise  # we are the ones being cancelled
+        return None
+    if request_sha256 != claim.request_sha256:
+        raise IdempotencyKeyReused()
+    return scan_id
+
+
+def _same_request(taken: KeyTaken, claim: IdempotencyClaim | None) -> uuid.UUID:
+    if claim is None or taken.request_sha256 != claim.request_sha256:
+        raise IdempotencyKeyReused()
+    return taken.scan_id

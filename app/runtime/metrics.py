@@ -1,0 +1,404 @@
+"""Prometheus metrics, all on one registry that the lifespan creates (tests get a
+fresh one each). Base units, bounded labels only: stage, model, outcome, reason,
+code, kind — never scan ids, user ids or raw paths.
+
+Stage time is split in two: `ecoscan_stage_queue_seconds` is time spent waiting
+(for a stage semaphore, the rate budget or the CPU lane) and
+`ecoscan_stage_service_seconds` is time spent working. They answer different
+questions: the first says a limit is too tight, the second that the work is slow.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Any, Self
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+# LLM calls take seconds; the library's default buckets stop at 10 s.
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    10,
+    15,
+    20,
+    30,
+    45,
+    60,
+    90,
+    120,
+)
+FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _KnownChildren:
+    """prometheus-client's `labels()` turns every value into a str and takes the
+    metric's lock on each call (~25 calls a scan); a label set's child never changes
+    (none is ever removed), so after the first call it comes from a dict.
+
+    The library also checks, on every observation, that the metric is not a labelled
+    parent (two calls each, ~40 a scan); whether it is never changes either, so it is
+    decided once (`_leaf`) and the subclasses below go straight to the value."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._known: dict[tuple[Any, ...], Self] = {}
+        # The library's own test (`_is_observable`): no labels, or a child's values.
+        self._leaf = not self._labelnames or bool(self._labelvalues)  # type: ignore[attr-defined]
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Self:
+        # The mixin's super() is the prometheus metric it is mixed into (below).
+        if labelkwargs:
+            found: Self = super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+            return found
+        child = self._known.get(labelvalues)
+        if child is None:
+            made: Self = super().labels(*labelvalues)  # type: ignore[misc]
+            child = self._known[labelvalues] = made
+        return child
+
+
+class Counter(_KnownChildren, prometheus_client.Counter):
+    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
+        if exemplar or amount < 0 or not self._leaf:
+            super().inc(amount, exemplar)  # the library's checks and errors
+        else:
+            self._value.inc(amount)
+
+
+class Gauge(_KnownChildren, prometheus_client.Gauge):
+    def inc(self, amount: float = 1) -> None:
+        if self._is_most_recent or not self._leaf:
+            super().inc(amount)
+        else:
+            self._value.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        if self._is_most_recent or not self._leaf:
+            super().dec(amount)
+        else:
+            self._value.inc(-amount)
+
+
+class Histogram(_KnownChildren, prometheus_client.Histogram):
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        """The library's observation, its bucket found by bisection instead of a loop
+        over up to 22 bounds (the last bound is +Inf, so there is always one)."""
+        if exemplar or not self._leaf or amount != amount:  # NaN: no bucket, as the library does
+            super().observe(amount, exemplar)
+            return
+        self._sum.inc(amount)
+        self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        if process:
+            self._declare_process_collectors()
+        self._declare_scan_metrics()
+        self._declare_scan_stream_metrics()
+        self._declare_stage_metrics()
+        self._declare_upstream_metrics()
+        self._declare_budget_and_gate_metrics()
+        self._declare_shared_budget_metrics()
+        self._declare_cpu_lane_and_loop_metrics()
+        self._declare_admission_and_lifecycle_metrics()
+        self._declare_cache_metrics()
+
+    def _declare_process_collectors(self) -> None:
+        """The library's process, platform and GC collectors."""
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+
+    def _declare_scan_metrics(self) -> None:
+        """Whole scans and their SSE streams: outcomes, durations, what is open now."""
+        r = self.registry
+        self.scans = Counter(
+            "ecoscan_scans_total",
+            "Scans by outcome (completed, failed, cancelled, rejected) and code/reason.",
+            ["outcome", "code"],
+            registry=r,
+        )
+        self.scan_duration = Histogram(
+            "ecoscan_scan_duration_seconds",
+            "Whole-scan duration from acceptance to the terminal event.",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_event = Histogram(
+            "ecoscan_scan_first_event_seconds",
+            "Time from request arrival to the first SSE event handed to the server.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.scans_in_flight = Gauge(
+            "ecoscan_scans_in_flight", "Accepted scans not yet finished.", registry=r
+        )
+        self.streams_open = Gauge("ecoscan_sse_streams_open", "Open SSE responses.", registry=r)
+        self.prepare_duration = Histogram(
+            "ecoscan_request_prepare_seconds",
+            "Parsing and image preparation before the stream starts (CPU lane incl. wait, or inline).",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+
+    def _declare_scan_stream_metrics(self) -> None:
+        """Running scans' events mirrored to Redis Streams, and followed there from other replicas."""
+        r = self.registry
+        self.stream_events_mirrored = Counter(
+            "ecoscan_scan_stream_events_mirrored_total",
+            "Scan events appended to their Redis Stream (REDIS_URL).",
+            registry=r,
+        )
+        self.stream_mirror_failures = Counter(
+            "ecoscan_scan_stream_mirror_failures_total",
+            "Flushes of scan events to Redis that failed (retried; the scans go on).",
+            registry=r,
+        )
+        self.stream_follows = Counter(
+            "ecoscan_scan_stream_follows_total",
+            "Event requests for scans running on another replica, by outcome: served (from "
+            "Redis), refused (409: no usable stream, or Redis failed), cut (Redis failed mid-stream).",
+            ["outcome"],
+            registry=r,
+        )
+
+    def _declare_stage_metrics(self) -> None:
+        """Per-stage wall time, split into queue (waiting for a limit) and service (working)."""
+        r = self.registry
+        self.stage_duration = Histogram(
+            "ecoscan_stage_duration_seconds",
+            "Stage wall time (queue + service) by outcome.",
+            ["stage", "outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage_queue = Histogram(
+            "ecoscan_stage_queue_seconds",
+            "Time a stage waited for a limit (semaphore, rate budget, CPU lane).",
+            ["stage", "limit"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage_service = Histogram(
+            "ecoscan_stage_service_seconds",
+            "Time a stage spent working (upstream call, query, CPU job), excluding waits.",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def _declare_upstream_metrics(self) -> None:
+        """OpenAI calls: status, duration, tokens, retries, 429s and the rate-limit headers."""
+        r = self.registry
+        self.upstream_calls = Counter(
+            "ecoscan_upstream_calls_total",
+            "OpenAI calls by model, endpoint and status class (2xx, 4xx, 429, 5xx, error).",
+            ["model", "endpoint", "status"],
+            registry=r,
+        )
+        self.upstream_duration = Histogram(
+            "ecoscan_upstream_call_seconds",
+            "OpenAI call duration (to the last byte for streams).",
+            ["model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_tokens = Counter(
+            "ecoscan_upstream_tokens_total",
+            "Tokens by kind: prompt, completion, reasoning, cached (prompt tokens served from "
+            "OpenAI's prompt cache), all from usage; estimated (reserved).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.upstream_retries = Counter(
+            "ecoscan_upstream_retries_total",
+            "Retried OpenAI calls by reason.",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.upstream_429 = Counter(
+            "ecoscan_upstream_rate_limited_total",
+            "429 answers from OpenAI by type.",
+            ["model", "type"],
+            registry=r,
+        )
+        self.ratelimit_remaining = Gauge(
+            "ecoscan_upstream_ratelimit_remaining",
+            "Last x-ratelimit-remaining-* seen, by resource (requests, tokens).",
+            ["model", "resource"],
+            registry=r,
+        )
+
+    def _declare_budget_and_gate_metrics(self) -> None:
+        """The RPM/TPM budget (waits, limits, reservations) and the stage semaphores."""
+        r = self.registry
+        self.budget_wait = Histogram(
+            "ecoscan_budget_wait_seconds",
+            "Time waiting for the RPM/TPM budget.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.budget_available = Gauge(
+            "ecoscan_budget_available", "Budget available now.", ["model", "resource"], registry=r
+        )
+        self.budget_limit = Gauge(
+            "ecoscan_budget_effective_limit_per_minute",
+            "Limit the budget enforces now: min(configured, reported, learned from headers).",
+            ["model", "resource"],
+            registry=r,
+        )
+        self.budget_waiters = Gauge(
+            "ecoscan_budget_waiters", "Calls queued for the budget.", ["model"], registry=r
+        )
+        self.reservations_open = Gauge(
+            "ecoscan_budget_reservations_open",
+            "Budget reservations taken by calls in progress and not yet settled.",
+            registry=r,
+        )
+        self.semaphore_in_use = Gauge(
+            "ecoscan_stage_semaphore_in_use", "Stage semaphore slots held.", ["stage"], registry=r
+        )
+
+    def _declare_shared_budget_metrics(self) -> None:
+        """The budget shared through Redis (REDIS_URL): whether it is, this process's share
+        of the key, and the round trips it costs."""
+        r = self.registry
+        self.budget_shared = Gauge(
+            "ecoscan_budget_shared",
+            "1 while the budget is shared through Redis, 0 while it falls back to a local share.",
+            ["model"],
+            registry=r,
+        )
+        self.budget_share = Gauge(
+            "ecoscan_budget_share",
+            "This process's share of the key: 1 / live replicas (its fallback rate while Redis is away).",
+            ["model"],
+            registry=r,
+        )
+        self.budget_redis_calls = Counter(
+            "ecoscan_budget_redis_calls_total",
+            "Lease calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, error.",
+            ["model", "op"],
+            registry=r,
+        )
+        self.budget_redis_call_seconds = Histogram(
+            "ecoscan_budget_redis_call_seconds",
+            "Round trip of one lease call to Redis (what sharing the budget adds to a wait).",
+            ["model"],
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=r,
+        )
+        self.user_caps_redis_errors = Counter(
+            "ecoscan_user_caps_redis_errors_total",
+            "Per-user cap checks that fell back to this process's count because Redis failed.",
+            registry=r,
+        )
+
+    def _declare_cpu_lane_and_loop_metrics(self) -> None:
+        """The CPU lane's queue, workers and jobs, and the event loop's lag."""
+        r = self.registry
+        self.cpu_queue_depth = Gauge(
+            "ecoscan_cpu_queue_depth", "CPU-lane jobs waiting for a worker.", registry=r
+        )
+        self.cpu_busy = Gauge("ecoscan_cpu_busy_workers", "CPU-lane workers busy.", registry=r)
+        self.cpu_job = Histogram(
+            "ecoscan_cpu_job_seconds",
+            "CPU-lane jobs: phase=queue (waiting for a worker) or run.",
+            ["phase"],
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "ecoscan_event_loop_lag_seconds",
+            "How late the loop-lag probe's timer fired: time callbacks held the loop.",
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag_max = Gauge(
+            "ecoscan_event_loop_lag_max_seconds", "Largest loop lag seen since start.", registry=r
+        )
+
+    def _declare_admission_and_lifecycle_metrics(self) -> None:
+        """Admission slots and refusals, shutdown, and the database's deferred rows and LISTEN link."""
+        r = self.registry
+        self.admission_in_use = Gauge(
+            "ecoscan_admission_slots_in_use", "Admission slots held by scans (global cap).", registry=r
+        )
+        self.scan_rows_deferred = Gauge(
+            "ecoscan_scan_rows_deferred",
+            "Terminal scan rows the database did not take yet; retried until it does.",
+            registry=r,
+        )
+        self.body_bytes_buffered = Gauge(
+            "ecoscan_request_body_bytes_buffered",
+            "Bytes of scan request bodies held in memory right now (cap: BODY_BUFFER_MAX_BYTES).",
+            registry=r,
+        )
+        self.shutting_down = Gauge(
+            "ecoscan_shutting_down", "1 once the shutdown drain has begun (readiness is 503).", registry=r
+        )
+        self.admission_rejected = Counter(
+            "ecoscan_admission_rejected_total",
+            "Scans refused before streaming.",
+            ["reason"],
+            registry=r,
+        )
+        self.rules_listener_up = Gauge(
+            "ecoscan_rules_listener_up",
+            "1 while the rule cache's LISTEN connection is up; 0 while it reconnects (short cache TTL).",
+            registry=r,
+        )
+
+    def _declare_cache_metrics(self) -> None:
+        """The vision and answer reply caches (app/upstream/reply_cache.py): lookups, size."""
+        r = self.registry
+        self.cache_requests = Counter(
+            "ecoscan_cache_requests_total",
+            "Reply-cache lookups by cache (vision, answer) and outcome (hit, miss, coalesced).",
+            ["cache", "outcome"],
+            registry=r,
+        )
+        self.cache_entries = Gauge(
+            "ecoscan_cache_entries", "Replies held by the cache.", ["cache"], registry=r
+        )
+        self.cache_bytes = Gauge(
+            "ecoscan_cache_bytes",
+            "Bytes of keys and replies held by the cache (UTF-8).",
+            ["cache"],
+            registry=r,
+        )
+
+    def observe_cpu_job(self, queue_s: float, run_s: float) -> None:
+        self.cpu_job.labels("queue").observe(queue_s)
+        self.cpu_job.labels("run").observe(run_s)
+        # The lane's only job today is preparing the request (parse, decode, resize), so
+        # it is also the "prepare" stage's queue/service split (a body prepared on the
+        # loop has only the service part: app/intake/acceptance.py).
+        self.stage_queue.labels("prepare", "cpu").observe(queue_s)
+        self.stage_service.labels("prepare").observe(run_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,77 @@
+"""The process's one connection to Redis, when `REDIS_URL` is set.
+
+Replicas that share an OpenAI key share three things through it: the rate budget
+(app/limits/shared_budget.py), the per-user caps (app/limits/shared_user_caps.py) and the
+events of running scans (app/scans/mirror.py). Every key lives under `REDIS_PREFIX`, so
+several deployments can share one server.
+
+Every command is bounded by `REDIS_TIMEOUT_S` (connect and read). Redis is never a
+reason to stop serving: each user of the link has its own fallback for when a call
+fails, and says so in its metrics and in one log line per outage, not per call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+__all__ = ["RedisError", "RedisLink", "redact_url"]
+
+log = logging.getLogger("ecoscan.redis")
+
+# Connections kept open to Redis for short commands (leases, caps, stream writes); followers'
+# blocking XREADs have a client of their own (app/scans/mirror.py).
+MAX_CONNECTIONS = 64
+
+
+class RedisLink:
+    """A redis.asyncio client, the key prefix, and the timeout every call gets."""
+
+    def __init__(self, url: str, *, prefix: str, timeout_s: float) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        # A full pool makes a caller wait (at most `timeout_s`) for a connection rather than
+        # fail at once: a burst of admissions is not a Redis outage.
+        pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            health_check_interval=30,
+        )
+        self.client: redis.Redis = redis.Redis.from_pool(pool)
+
+    def key(self, *parts: str) -> str:
+        """`<prefix>:<part>:<part>...`: every key this process touches is named here."""
+        return ":".join((self.prefix, *parts))
+
+    def script(self, source: str) -> Any:
+        """A Lua script run by EVALSHA (loaded on first use, reloaded after a flush)."""
+        return self.client.register_script(source)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.client.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def __repr__(self) -> str:
+        return f"RedisLink({redact_url(self.url)!r}, prefix={self.prefix!r})"
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return url
+    credentials, _, host = rest.rpartition("@")
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}{sep}{user}:***@{host}" if user else f"{scheme}{sep}***@{host}"

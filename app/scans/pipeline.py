@@ -1,0 +1,257 @@
+"""The scan pipeline: the stages (vision -> rule -> answer -> reward), inline as coroutines.
+
+Each accepted scan runs as one asyncio task that appends domain events to its
+`EventLog`; the HTTP response only follows that log (see `app/streaming/responses.py`). Keeping
+the work in its own plain-asyncio task, rather than inside the response generator,
+means a client disconnect is one `task.cancel()`: the in-flight upstream stream is
+closed by the stage's own cleanup, the `cancelled` row is written, every slot is
+released, and nothing runs inside the SSE library's cancel scopes.
+
+Invariants: every scan emits exactly one terminal event (`done` or `error`) and
+writes exactly one terminal row (`completed`, `failed` or `cancelled`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from app.errors import (
+    ClientDisconnected,
+    DatabaseError,
+    EcoscanError,
+    InternalError,
+    ProcessLost,
+    ScanDeadlineExceeded,
+    ServerShutdown,
+)
+from app.limits.clock import Clock
+from app.runtime.metrics import Metrics
+from app.scans.events import AnswerDelta, EventLog, LogEntry, ScanDone, ScanErrored
+from app.scans.finished import FinishedScans
+from app.scans.mirror import ScanStreams
+from app.scans.run import ScanRun
+from app.scans.runner import PROGRESS_END, ScanProgress, StageRunner
+from app.scans.store import ScanStore, TerminalRow
+from app.stages.context import AcceptedScan, ScanContext
+from app.upstream.client import safety_identifier
+
+log = logging.getLogger(__name__)
+
+# Waiting for the database to take a finished scan's `completed` row: retried at this
+# pace until the scan's deadline, since `done` may only go out after that commit.
+COMMIT_FIRST_RETRY_S = 0.2
+COMMIT_MAX_RETRY_S = 2.0
+
+
+class ScanPipeline:
+    def __init__(
+        self,
+        runner: StageRunner,
+        *,
+        store: ScanStore,
+        metrics: Metrics,
+        scan_deadline_s: float,
+        clock: Clock,
+        on_finished: Callable[[float], None] | None = None,
+        disconnect_grace_s: float = 0.0,
+        streams: ScanStreams | None = None,
+    ) -> None:
+        self._runner = runner
+        self._streams = streams  # REDIS_URL: every scan's events mirrored for other replicas
+        self._disconnect_grace_s = disconnect_grace_s
+        self._store = store
+        self._metrics = metrics
+        self._scan_deadline_s = scan_deadline_s
+        self._clock = clock
+        self._on_finished = on_finished
+        self.running: dict[asyncio.Task[None], ScanRun] = {}
+        # By scan id, while running: what GET /api/v1/scan/{id}/events follows live...
+        self.runs: dict[uuid.UUID, ScanRun] = {}
+        # ...and once ended, the terminal row for a while (resumes that race the row's
+        # write, or a row the database has not taken yet).
+        self.finished = FinishedScans()
+        self.accepting = True
+        self._shutting_down = False
+        self._row_writes: set[asyncio.Task[None]] = set()
+
+    def start(self, scan: AcceptedScan, *, token_sha256: str | None = None) -> ScanRun:
+        followed = functools.partial(self._streams.followed_elsewhere, scan.id) if self._streams else None
+        run = ScanRun(
+            scan, grace_s=self._disconnect_grace_s, token_sha256=token_sha256, followed_elsewhere=followed
+        )
+        if self._streams is not None:
+            self._streams.mirror(scan.id, run.log)
+        run.task = task = asyncio.create_task(self._run(run), name=f"scan-{scan.id}")
+        self.running[task] = run
+        self.runs[scan.id] = run
+        task.add_done_callback(self._forget)
+        if self._shutting_down:  # accepted while the drain was ending: it ends at once
+            run.cancel()
+        return run
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        run = self.running.pop(task, None)
+        if run is None:
+            return
+        self.runs.pop(run.scan.id, None)
+        if (stored := run.as_stored()) is not None:
+            self.finished.keep(stored)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every running scan to end; True if they all did."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.running:
+                    await asyncio.wait(list(self.running))
+        except TimeoutError:
+            return False
+        return True
+
+    async def cancel_all(self) -> None:
+        """Shutdown: end every scan still running with `SERVER_SHUTDOWN` (row, then
+        event) and wait for them."""
+        self.accepting = False
+        self._shutting_down = True
+        runs = list(self.running.values())
+        for run in runs:
+            run.cancel()
+        await asyncio.gather(*(run.task for run in runs if run.task), return_exceptions=True)
+        if self._row_writes:  # rows still being written by scans cancelled mid-write (each bounded)
+            await asyncio.wait(list(self._row_writes))
+
+    async def _run(self, run: ScanRun) -> None:
+        scan, events = run.scan, run.log
+        progress = ScanProgress(self._runner.stages[0].name, dict(scan.timings), {})
+        deadline = self._clock.now() + self._scan_deadline_s
+        started = time.perf_counter()
+        self._metrics.scans_in_flight.inc()
+        outcome = "failed"
+        try:
+            run.started = True
+            if run.cancel_requested:
+                raise asyncio.CancelledError()
+            await self._stages(scan, events, progress, deadline)
+            done, stored_log = await self._commit_completed(scan, events, progress, deadline)
+            run.ended("completed", stored_log)
+            events.publish(done)
+            outcome = "completed"
+            self._metrics.scans.labels("completed", "").inc()
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            await self._cancelled(run, progress)
+            raise
+        except Exception as exc:
+            await self._fail(run, progress, exc)
+        finally:
+            scan.ticket.release()
+            elapsed = time.perf_counter() - started
+            self._metrics.scans_in_flight.dec()
+            self._metrics.scan_duration.labels(outcome).observe(elapsed)
+            if self._on_finished is not None and outcome == "completed":
+                self._on_finished(elapsed)
+
+    async def _stages(
+        self, scan: AcceptedScan, events: EventLog, progress: ScanProgress, deadline: float
+    ) -> None:
+        answer_span = self._runner.spans.get("answer")
+        delta_ceiling = (answer_span.completed - 1) if answer_span else PROGRESS_END
+
+        async def delta(text: str) -> None:
+            events.append(AnswerDelta("answer", text), min(delta_ceiling, events.progress + 1))
+
+        ctx = ScanContext(scan, safety_identifier(scan.user_id), delta)
+        for stage in self._runner.stages:
+            if self._clock.now() >= deadline:
+                raise ScanDeadlineExceeded()
+            await self._runner.run(stage, ctx, events, progress, deadline)
+        progress.step = "done"
+
+    async def _commit_completed(
+        self, scan: AcceptedScan, events: EventLog, progress: ScanProgress, deadline: float
+    ) -> tuple[LogEntry, str]:
+        """The `done` entry and the log stored with it, committed with the row before
+        anyone sees it; while the database is away the finished scan waits for it, up to
+        its deadline, then fails with DATABASE_ERROR."""
+        progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
+        done = events.next_entry(ScanDone("done", progress.result, progress.timings), 100)
+        stored_log = events.to_json(done)
+        row = TerminalRow("completed", progress.result, progress.timings, events=stored_log)
+        delay = COMMIT_FIRST_RETRY_S
+        while True:
+            try:
+                await self._store.finish(scan.id, row)
+                return done, stored_log
+            except DatabaseError:
+                if self._clock.now() + delay >= deadline:
+                    raise
+                log.warning("scan %s: waiting for the database to record its result", scan.id)
+                await self._clock.sleep(delay)
+                delay = min(delay * 2, COMMIT_MAX_RETRY_S)
+
+    async def _cancelled(self, run: ScanRun, progress: ScanProgress) -> None:
+        scan = run.scan
+        error: EcoscanError
+        if run.cancel_reason is not None:
+            error, step = run.cancel_reason, progress.step
+        elif self._shutting_down:
+            error = ServerShutdown()
+            log.warning("scan %s cancelled in %s: the shutdown drain ended", scan.id, progress.step)
+            step = progress.step
+        else:  # the client went away; the event is for the log only, nobody is listening
+            error, step = ClientDisconnected("The client went away."), "client"
+        self._metrics.scans.labels("cancelled", "" if step == "client" else error.code).inc()
+        await self._end(run, progress, "cancelled", step, error)
+
+    async def _fail(self, run: ScanRun, progress: ScanProgress, exc: Exception) -> None:
+        scan = run.scan
+        error = exc if isinstance(exc, EcoscanError) else InternalError()
+        if isinstance(exc, EcoscanError):
+            cause = exc.__cause__ or exc
+            log.warning("scan %s failed in %s: %s (%s)", scan.id, progress.step, error.code, cause)
+        else:
+            log.exception("scan %s failed in %s with an unexpected error", scan.id, progress.step)
+        self._metrics.scans.labels("failed", error.code).inc()
+        await self._end(run, progress, "failed", progress.step, error)
+
+    async def _end(
+        self, run: ScanRun, progress: ScanProgress, status: str, step: str, error: EcoscanError
+    ) -> None:
+        """The terminal row, then the terminal event. Cancelled while the row is being
+        written (shutdown), the write goes on and the event still goes out."""
+        scan, events = run.scan, run.log
+        progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
+        terminal = events.next_entry(ScanErrored(step, error.code, error.message, error.retryable))
+        stored_log = events.to_json(terminal)
+        row = TerminalRow(
+            status, progress.result, progress.timings, (step, error.code, error.message), events=stored_log
+        )
+        writing = asyncio.create_task(self._write_terminal_row(scan, row))
+        # Held until done: a write that outlives a cancelled scan must not be collected.
+        self._row_writes.add(writing)
+        writing.add_done_callback(self._row_writes.discard)
+        try:
+            await asyncio.shield(writing)
+        finally:
+            run.ended(status, stored_log)
+            events.publish(terminal)
+
+    async def _write_terminal_row(self, scan: AcceptedScan, row: TerminalRow) -> None:
+        """If the database does not take the row now, the store keeps writing it."""
+        try:
+            await self._store.finish(scan.id, row)
+        except DatabaseError:
+            log.warning(
+                "scan %s: database unavailable; its %s row is written when it is back", scan.id, row.status
+            )
+            self._store.defer(scan.id, row)
+        except ProcessLost:
+            log.error("scan %s: its row is missing", scan.id)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)

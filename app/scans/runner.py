@@ -1,0 +1,103 @@
+"""`StageRunner` runs one stage of one scan and does, for every stage, the same things
+once: the started/completed events, the stage's deadline (the sooner of its own time
+limit and the scan's deadline, both on the pipeline's `Clock`), the admission ticket's
+owed calls, queue-vs-service timing, metrics, and keeping the stage's result where
+later stages and the final result find it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import ScanDeadlineExceeded, StageTimeout
+from app.limits.clock import Clock
+from app.runtime.metrics import Metrics
+from app.scans.events import EventLog, StageCompleted, StageStarted
+from app.stages.base import Stage
+from app.stages.context import ScanContext
+
+# The bar runs from here to PROGRESS_END across the stages, by their shares; `done` is 100.
+PROGRESS_START = 2
+PROGRESS_END = 98
+
+
+@dataclass(frozen=True)
+class ProgressSpan:
+    started: int
+    completed: int
+
+
+def progress_spans(stages: list[Stage[Any]]) -> dict[str, ProgressSpan]:
+    """Each stage's progress at start and completion, from the stages' shares."""
+    total = sum(stage.progress_share for stage in stages) or 1
+    width = PROGRESS_END - PROGRESS_START
+    spans: dict[str, ProgressSpan] = {}
+    done = 0
+    for stage in stages:
+        start = PROGRESS_START + width * done // total
+        done += stage.progress_share
+        spans[stage.name] = ProgressSpan(start, PROGRESS_START + width * done // total)
+    return spans
+
+
+@dataclass
+class ScanProgress:
+    """What a scan has done so far: the step it is on, timings, and its result fields."""
+
+    step: str
+    timings: dict[str, float]
+    result: dict[str, Any]
+
+
+class StageRunner:
+    def __init__(self, stages: list[Stage[Any]], *, metrics: Metrics, clock: Clock) -> None:
+        self.stages = stages
+        self.spans = progress_spans(stages)
+        self._metrics = metrics
+        self._clock = clock
+
+    @property
+    def calls_per_scan(self) -> int:
+        """Upstream calls one scan makes: what admission counts as owed when it admits one."""
+        return sum(stage.upstream_calls for stage in self.stages)
+
+    async def run(
+        self, stage: Stage[Any], ctx: ScanContext, log: EventLog, progress: ScanProgress, deadline: float
+    ) -> None:
+        progress.step = stage.name
+        span = self.spans[stage.name]
+        log.append(StageStarted(stage.name), span.started)
+        ctx.scan.ticket.calls_started(stage.upstream_calls)
+        stage_deadline = self._clock.now() + stage.timeout_s
+        ctx.deadline = min(deadline, stage_deadline)
+        try:
+            result = await self._timed(stage, ctx, progress)
+        except TimeoutError:
+            if deadline < stage_deadline:
+                raise ScanDeadlineExceeded() from None
+            raise StageTimeout(f"The {stage.name} stage took longer than {stage.timeout_s:g}s.") from None
+        ctx.results[stage.name] = result
+        progress.result.update(stage.result_fields(result))
+        duration_ms = progress.timings[f"{stage.name}_ms"]
+        log.append(StageCompleted(stage.name, duration_ms, stage.event_fields(result)), span.completed)
+
+    async def _timed(self, stage: Stage[Any], ctx: ScanContext, progress: ScanProgress) -> Any:
+        began = time.perf_counter()
+        outcome = "failed"
+        try:
+            async with self._clock.timeout_at(ctx.deadline):
+                result = await stage.run(ctx)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        else:
+            outcome = "completed"
+            elapsed = time.perf_counter() - began
+            self._metrics.stage_service.labels(stage.name).observe(elapsed - stage.queue_seconds(result))
+            return result
+        finally:
+            elapsed = time.perf_counter() - began
+            progress.timings[f"{stage.name}_ms"] = round(elapsed * 1000, 1)
+            self._metrics.stage_duration.labels(stage.name, outcome).observe(elapsed)

@@ -1,0 +1,267 @@
+"""The `scans` table: one row per accepted scan, written twice — `running` when the
+scan is accepted (before the stream starts, so a database outage is a clean 503),
+and once more with its terminal status. Nothing accepted goes unrecorded, and no
+row stays `running`:
+
+- The terminal write is the process's word on what the client was told, so it
+  overwrites whatever the row says (a `completed` whose commit timed out client-side,
+  or a sweep's `PROCESS_LOST`); the pipeline sends the terminal event only after it.
+- A terminal write the database did not take is kept and retried in the background
+  (`defer`) until it does: the row follows the client as soon as the database is back.
+- Rows of a process that died are found by `sweep_lost`: every process tags its
+  connections with its instance id (`app.db.pool.instance_tag`), so a `running` row
+  whose instance has no connection left belongs to a dead process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX
+from app.errors import DatabaseError, ProcessLost
+
+log = logging.getLogger(__name__)
+
+_INSERT = """
+    INSERT INTO scans (id, user_id, status, image_source, image_sha256, user_input, instance_id,
+                       idempotency_scope, idempotency_key, request_sha256, token_sha256)
+    VALUES ($1, $2, 'running', $3, $4, $5, $6, $7, $8, $9, $10)"""
+
+_LOAD = """
+    SELECT id, user_id, status, created_at, finished_at, event_log, token_sha256
+    FROM scans WHERE id = $1"""
+
+# A key is reusable once its scan is older than the TTL: the old row lets go of it.
+_EXPIRE_KEY = """
+    UPDATE scans SET idempotency_key = NULL
+    WHERE idempotency_scope = $1 AND idempotency_key = $2
+      AND created_at < now() - make_interval(secs => $3)"""
+
+_FIND_KEY = """
+    SELECT id, request_sha256 FROM scans WHERE idempotency_scope = $1 AND idempotency_key = $2"""
+
+_PURGE = """
+    DELETE FROM scans WHERE id IN (
+        SELECT id FROM scans WHERE created_at < now() - make_interval(secs => $1 * 86400)
+        AND status <> 'running' LIMIT $2)"""
+
+_FINISH = """
+    UPDATE scans SET
+        status = $2, classification = $3, situation_tags = $4, disposal_rules = $5,
+        answer = $6, reward = $7, timings = $8, error_step = $9, error_code = $10,
+        error_message = $11, event_log = $12, finished_at = now()
+    WHERE id = $1"""
+
+# A row is lost when its instance holds no connection, and that instance must have had
+# one to this server: the row was written since the server started, or the server has
+# been up long enough for every live instance to have reconnected after a restart.
+_SWEEP = f"""
+    UPDATE scans SET status = 'failed', error_step = 'server', error_code = $2,
+        error_message = $3, finished_at = now()
+    WHERE status = 'running'
+      AND instance_id IS DISTINCT FROM $1
+      AND (instance_id IS NULL OR '{INSTANCE_TAG_PREFIX}' || instance_id::text NOT IN (
+            SELECT application_name FROM pg_stat_activity
+            WHERE application_name LIKE '{INSTANCE_TAG_PREFIX}%'))
+      AND (created_at > pg_postmaster_start_time()
+           OR now() - pg_postmaster_start_time() > make_interval(secs => $4))
+    RETURNING id"""
+
+# Deferred terminal writes: first retry soon, then back off to a steady pace.
+DEFER_FIRST_RETRY_S = 0.5
+DEFER_MAX_RETRY_S = 5.0
+
+
+@dataclass(frozen=True)
+class TerminalRow:
+    status: str  # completed | failed | cancelled
+    result: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] | None = None
+    error: tuple[str, str, str] | None = None  # (step, code, message)
+    events: str | None = None  # the event log as sent, terminal event included (EventLog.to_json)
+
+    def args(self) -> tuple[Any, ...]:
+        r = self.result
+        step, code, message = self.error or (None, None, None)
+        return (
+            self.status,
+            r.get("classification"),
+            r.get("situation_tags"),
+            r.get("disposal_rules"),
+            r.get("answer"),
+            r.get("reward"),
+            self.timings,
+            step,
+            code,
+            message,
+            self.events,
+        )
+
+
+@dataclass(frozen=True)
+class StoredScan:
+    id: uuid.UUID
+    user_id: str | None
+    status: str
+    created_at: datetime
+    finished_at: datetime | None
+    event_log: str | None
+    token_sha256: str | None
+
+
+@dataclass(frozen=True)
+class IdempotencyClaim:
+    """A POST's `Idempotency-Key`, scoped to its caller, and what its request hashed to."""
+
+    scope: str
+    key: str
+    request_sha256: str
+
+
+class KeyTaken(Exception):
+    """The idempotency key already names a scan (`scan_id`)."""
+
+    def __init__(self, scan_id: uuid.UUID, request_sha256: str | None) -> None:
+        super().__init__(str(scan_id))
+        self.scan_id = scan_id
+        self.request_sha256 = request_sha256
+
+
+class ScanStore:
+    def __init__(
+        self, pool: asyncpg.Pool[asyncpg.Record], *, instance_id: uuid.UUID, timeout_s: float
+    ) -> None:
+        self.instance_id = instance_id
+        self._pool = pool
+        self._timeout_s = timeout_s
+        self._deferred: dict[uuid.UUID, TerminalRow] = {}
+        self._retrying: asyncio.Task[None] | None = None
+
+    @property
+    def deferred(self) -> int:
+        """Terminal rows waiting for the database."""
+        return len(self._deferred)
+
+    async def create(
+        self,
+        scan_id: uuid.UUID,
+        *,
+        user_id: str | None,
+        image_source: str,
+        image_sha256: str | None,
+        user_input: str | None,
+        claim: IdempotencyClaim | None = None,
+        token_sha256: str | None = None,
+    ) -> None:
+        """Insert the `running` row; `KeyTaken` if `claim`'s key names another scan
+        (the unique index decides, so concurrent duplicates cannot both insert)."""
+        key = (claim.scope, claim.key, claim.request_sha256) if claim else (None, None, None)
+        args = (
+            scan_id,
+            user_id,
+            image_source,
+            image_sha256,
+            user_input,
+            self.instance_id,
+            *key,
+            token_sha256,
+        )
+        try:
+            await self._execute(_INSERT, *args)
+        except DatabaseError as exc:
+            if claim is None or not isinstance(exc.__cause__, asyncpg.UniqueViolationError):
+                raise
+            taken = await self.find_key(claim)
+            if taken is None:  # its scan was purged in between: a rare retry
+                raise
+            raise taken from None
+
+    async def find_key(self, claim: IdempotencyClaim, ttl_s: float | None = None) -> KeyTaken | None:
+        """The scan `claim`'s key already names, if any (expiring it first if `ttl_s`)."""
+        if ttl_s is not None:
+            await self._execute(_EXPIRE_KEY, claim.scope, claim.key, ttl_s)
+        rows = await self._fetch(_FIND_KEY, claim.scope, claim.key)
+        return KeyTaken(rows[0]["id"], rows[0]["request_sha256"]) if rows else None
+
+    async def load(self, scan_id: uuid.UUID) -> StoredScan | None:
+        rows = await self._fetch(_LOAD, scan_id)
+        return StoredScan(**dict(rows[0])) if rows else None
+
+    async def purge(self, *, older_than_days: float, batch: int) -> int:
+        """Delete up to `batch` finished scans older than the retention; how many."""
+        status = await self._execute(_PURGE, older_than_days, batch)
+        return int(status.split()[-1])
+
+    async def finish(self, scan_id: uuid.UUID, row: TerminalRow) -> None:
+        """Write the terminal row once; `DatabaseError` if the database did not take it."""
+        self._deferred.pop(scan_id, None)  # this write supersedes any older one
+        status_line = await self._execute(_FINISH, scan_id, *row.args())
+        if not status_line.endswith(" 1"):
+            raise ProcessLost(f"scan {scan_id} has no row")
+
+    def defer(self, scan_id: uuid.UUID, row: TerminalRow) -> None:
+        """Keep writing `row` in the background until the database takes it."""
+        self._deferred[scan_id] = row
+        if self._retrying is None or self._retrying.done():
+            self._retrying = asyncio.create_task(self._retry_deferred(), name="scan-rows-retry")
+
+    async def sweep_lost(self, *, restart_grace_s: float) -> list[uuid.UUID]:
+        """Mark `running` rows of dead processes failed / PROCESS_LOST; their ids."""
+        rows = await self._fetch(
+            _SWEEP, self.instance_id, ProcessLost.code, ProcessLost.default_message, restart_grace_s
+        )
+        return [r["id"] for r in rows]
+
+    async def close(self, timeout_s: float) -> None:
+        """Shutdown: one last bounded try for the deferred rows, then give up on them
+        (the next process's sweep records them as PROCESS_LOST)."""
+        if self._retrying is not None:
+            self._retrying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retrying
+        if self._deferred:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._write_deferred()
+        if self._deferred:
+            log.error("%d terminal scan rows could not be written before exit", len(self._deferred))
+
+    async def _retry_deferred(self) -> None:
+        delay = DEFER_FIRST_RETRY_S
+        while self._deferred:
+            await asyncio.sleep(delay)
+            await self._write_deferred()
+            delay = min(delay * 2, DEFER_MAX_RETRY_S)
+
+    async def _write_deferred(self) -> None:
+        for scan_id, row in list(self._deferred.items()):
+            try:
+                await self._execute(_FINISH, scan_id, *row.args())
+            except DatabaseError:
+                return  # still down: try again later, in order
+            if self._deferred.get(scan_id) is row:
+                del self._deferred[scan_id]
+            log.info("scan %s: terminal row %s recorded after a database outage", scan_id, row.status)
+
+    async def _execute(self, query: str, *args: Any) -> str:
+        try:
+            async with self._pool.acquire(timeout=self._timeout_s) as conn:
+                status: str = await conn.execute(query, *args, timeout=self._timeout_s)
+                return status
+        except DB_ERRORS as exc:
+            raise DatabaseError() from exc
+
+    async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        try:
+            async with self._pool.acquire(timeout=self._timeout_s) as conn:
+                return await conn.fetch(query, *args, timeout=self._timeout_s)
+        except DB_ERRORS as exc:
+            raise DatabaseError() from exc
