@@ -17,10 +17,10 @@ LAYERS = [
     "app.db",  # pool, migrations, embedded PostgreSQL, taxonomy, characters
     "app.images",
     "app.upstream",  # calls to the model provider, their shapes, tokens, reply caches
+    "app.settings",
     "app.stages",  # the stage contract, the scan's context, the stages
     "app.scans",  # running scans: pipeline, runner, events, store, mirror, drain
     "app.streaming",  # a scan's events as SSE, and reading scans back
-    "app.settings",
     "app.intake",  # who asks, reading and parsing the request, acceptance
     "app.resources",  # the lifespan: builds everything above
     "app.http",  # routes, page, OpenAPI document, HTTP protocol
@@ -76,7 +76,8 @@ def test_every_package_imports_only_from_packages_below_it() -> None:
                 if module != STARTS_SIMULATOR:
                     wrong.append(f"{module} imports the simulator ({target})")
             elif _layer(target) > _layer(module):
-                wrong.append(f"{module} ({LAYERS[_layer(module)]}) imports {target} ({LAYERS[_layer(target)]})")
+                below, above = LAYERS[_layer(module)], LAYERS[_layer(target)]
+                wrong.append(f"{module} ({below}) imports {target} ({above})")
     assert not wrong, "imports against the layers:\n" + "\n".join(sorted(wrong))
 
 
