@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from app.errors import ClientDisconnected, EcoscanError, Overloaded
-from app.http.openapi import install_openapi
+from app.http.openapi.document import install_openapi
 from app.http.page import router as page_router
 from app.http.routes import SCAN_PATH, classify_completion, router
 from app.resources import lifespan_resources
@@ -26,18 +26,23 @@ from app.runtime.heap import tuned_heap
 from app.runtime.metrics import Metrics
 from app.scans.drain import SignalRouter
 from app.settings import Settings
+from app.stages.base import StageClass
+from app.stages.order import STAGES
 from app.streaming.responses import take_over_shutdown
 
 log = logging.getLogger("app")
 
 
-def create_app(settings: Settings | None = None, *, metrics: Metrics | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, metrics: Metrics | None = None, stages: Sequence[StageClass] = STAGES
+) -> FastAPI:
+    """`stages`: the scan's stages, in order (app/stages/order.py; tests pass their own)."""
     settings = settings or Settings.from_env()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         _configure_logging(settings.log_level)
-        async with lifespan_resources(settings, metrics) as resources:
+        async with lifespan_resources(settings, metrics, stages) as resources:
             take_over_shutdown()
             signals = SignalRouter(resources.drain, asyncio.get_running_loop())
             if signals.install():
@@ -52,7 +57,7 @@ def create_app(settings: Settings | None = None, *, metrics: Metrics | None = No
     app = EcoscanApp(title="ecoscan", version="0.1.0", lifespan=lifespan)
     app.include_router(router)
     app.include_router(page_router)
-    install_openapi(app, settings)
+    install_openapi(app, settings, stages)
     _install_error_handlers(app)
     return app
 

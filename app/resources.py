@@ -13,7 +13,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -50,14 +50,10 @@ from app.scans.pipeline import ScanPipeline
 from app.scans.runner import StageRunner
 from app.scans.store import ScanStore
 from app.settings import Settings, SettingsError
-from app.stages.answer import AnswerStage
-from app.stages.results import Character
-from app.stages.reward import RewardStage
-from app.stages.rule import RuleBook
-from app.stages.vision import VisionStage
+from app.stages.base import BudgetedStage, Stage, StageClass, StageEnv, StageResult
+from app.stages.order import STAGES
 from app.streaming.access import ScanAccess
 from app.upstream.client import ChatEndpoint, Upstream
-from app.upstream.reply_cache import CacheLimits, ReplyCache
 
 log = logging.getLogger("app")
 
@@ -87,7 +83,7 @@ class Resources:
     budgets: dict[str, RateBudget]
     gates: dict[str, StageGate]
     admission: Admission
-    rules: RuleBook
+    stages: list[Stage[StageResult]]
     store: ScanStore
     pipeline: ScanPipeline
     drain: Drain
@@ -102,39 +98,24 @@ class Resources:
 
 
 @asynccontextmanager
-async def lifespan_resources(settings: Settings, metrics: Metrics | None = None) -> AsyncIterator[Resources]:
+async def lifespan_resources(
+    settings: Settings, metrics: Metrics | None = None, stages: Sequence[StageClass] = STAGES
+) -> AsyncIterator[Resources]:
     metrics = metrics or Metrics()
     clock = MonotonicClock()
     instance_id = uuid.uuid4()
     async with AsyncExitStack() as stack:
         dsn = tagged_dsn(await _database(settings, stack), instance_id)
         pool = await _pool(settings, dsn, stack)
-        taxonomy, characters = await _catalogue(pool)
-        rules = await _rule_book(settings, pool, taxonomy, dsn, stack)
-        metrics.rules_listener_up.set_function(_reader(rules, "listening"))
+        taxonomy = await _catalogue(pool)
         chat, base_url, simulator = await _openai_client(settings, stack)
         redis = await _redis_link(settings, stack)
         upstream = _upstream(settings, chat, metrics, clock, _budgets(settings, redis, metrics, clock, stack))
-        vision = VisionStage(
-            upstream,
-            taxonomy,
-            shape=settings.call_shape("vision"),
-            detail=settings.vision_detail,
-            timeout_s=settings.vision_timeout_s,
-            cache=_reply_cache(settings, "vision", metrics, clock),
-        )
-        answer = AnswerStage(
-            upstream,
-            shape=settings.call_shape("answer"),
-            delta_flush_s=settings.delta_flush_ms / 1000,
-            timeout_s=settings.answer_timeout_s,
-            cache=_reply_cache(settings, "answer", metrics, clock),
-        )
-        reward = RewardStage(pool, characters, taxonomy.recyclable, timeout_s=settings.db_timeout_s)
-        # The scan's stages, in order: adding one is adding it here (see ARCHITECTURE.md).
-        runner = StageRunner([vision, rules, answer, reward], metrics=metrics, clock=clock)
+        env = StageEnv(settings, pool, dsn, taxonomy, upstream, metrics, clock, stack)
+        built = [await stage.start(env) for stage in stages]  # in order: each may load what it needs
+        runner = StageRunner(built, metrics=metrics, clock=clock)
         user_caps = _shared_user_caps(redis, metrics, stack)
-        admission = _admission(settings, vision.predicted_budget_wait, runner.calls_per_scan, user_caps)
+        admission = _admission(settings, _budget_look_ahead(built), runner.calls_per_scan, user_caps)
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
         cpu.observers.append(metrics.observe_cpu_job)
         stack.callback(cpu.shutdown)
@@ -180,7 +161,7 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
             budgets=dict(upstream.budgets),
             gates=dict(upstream.gates),
             admission=admission,
-            rules=rules,
+            stages=built,
             store=store,
             pipeline=pipeline,
             drain=drain,
@@ -215,8 +196,9 @@ async def _scan_store(
     return store
 
 
-async def _catalogue(pool: asyncpg.Pool[asyncpg.Record]) -> tuple[Taxonomy, list[Character]]:
-    """Migrations, then what the stages need from the database once: taxonomy, characters."""
+async def _catalogue(pool: asyncpg.Pool[asyncpg.Record]) -> Taxonomy:
+    """Migrations, then the taxonomy every stage may read (what one stage alone needs it
+    loads in its own `start`)."""
     async with pool.acquire() as conn:
         applied = await apply_migrations(conn, bundled_migrations())
         # Pooled connections are not reset on release (app/db/pool.py): whatever session
@@ -224,25 +206,7 @@ async def _catalogue(pool: asyncpg.Pool[asyncpg.Record]) -> tuple[Taxonomy, list
         await conn.reset()
         if applied:
             log.info("migrations applied: %s", ", ".join(applied))
-        return await load_taxonomy(conn), await RewardStage.load_characters(conn)
-
-
-async def _rule_book(
-    settings: Settings,
-    pool: asyncpg.Pool[asyncpg.Record],
-    taxonomy: Taxonomy,
-    dsn: str,
-    stack: AsyncExitStack,
-) -> RuleBook:
-    rules = RuleBook(
-        pool,
-        recyclable=taxonomy.recyclable,
-        ttl_s=settings.rules_cache_ttl_s,
-        timeout_s=settings.db_timeout_s,
-    )
-    await rules.start_listening(dsn)
-    stack.push_async_callback(rules.close)
-    return rules
+        return await load_taxonomy(conn)
 
 
 async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[ChatEndpoint, str, Any]:
@@ -356,15 +320,13 @@ async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:
     return identity
 
 
-def _reply_cache(settings: Settings, stage: str, metrics: Metrics, clock: Clock) -> ReplyCache | None:
-    """The stage's reply cache (app/upstream/reply_cache.py), bounded by its VISION_/ANSWER_CACHE_*
-    settings; None when a bound of 0 turns it off (the stage then keys nothing)."""
-    if stage == "vision":
-        bounds = (settings.vision_cache_entries, settings.vision_cache_bytes, settings.vision_cache_ttl_s)
-    else:
-        bounds = (settings.answer_cache_entries, settings.answer_cache_bytes, settings.answer_cache_ttl_s)
-    limits = CacheLimits(*bounds)
-    return ReplyCache(stage, limits, clock=clock, metrics=metrics) if limits.enabled else None
+def _budget_look_ahead(stages: Sequence[Stage[StageResult]]) -> Callable[[int], float]:
+    """Admission's look at the budget: the first stage that can predict its wait (vision's,
+    the call every new scan makes first); none, when no stage calls upstream."""
+    for stage in stages:
+        if isinstance(stage, BudgetedStage):
+            return stage.predicted_budget_wait
+    return lambda _owed_calls: 0.0
 
 
 def _shared_user_caps(

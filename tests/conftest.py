@@ -18,7 +18,7 @@ import secrets
 import tempfile
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,8 @@ from app.runtime.serving import serve_in_loop
 from app.settings import Settings
 from app.sim.config import SimConfig
 from app.sim.server import RunningSimulator, run_simulator
+from app.stages.base import StageClass
+from app.stages.order import STAGES
 from tests.redis_server import RedisServer, delete_prefix, fresh_prefix, shared_redis_url
 
 SCAN_URL = "/api/v1/scan/classify/completion"
@@ -209,10 +211,12 @@ class Service:
 
 
 @asynccontextmanager
-async def running_service(settings: Settings, **server: Any) -> AsyncIterator[Service]:
+async def running_service(
+    settings: Settings, *, stages: Sequence[StageClass] = STAGES, **server: Any
+) -> AsyncIterator[Service]:
     """The app under a real uvicorn; `server` overrides uvicorn's config (proxy headers...)."""
     metrics = Metrics(process=False)
-    app = create_app(settings, metrics=metrics)
+    app = create_app(settings, metrics=metrics, stages=stages)
     async with (
         serve_in_loop(app, lifespan="on", http=HttpToolsProtocol, **server) as url,
         httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(30.0)) as client,

@@ -44,15 +44,15 @@ from app.errors import (
     ScanRunningElsewhere,
     Unauthorized,
 )
-from app.http.openapi import (
+from app.http.openapi.errors import (
     CHARACTERS_ERRORS,
-    EXAMPLE_DATA_URL,
     IDENTITY_REFUSALS,
     SCAN_CANCEL_ERRORS,
     SCAN_EVENTS_ERRORS,
     SCAN_STATUS_ERRORS,
     scan_refusals,
 )
+from app.http.openapi.requests import EXAMPLE_DATA_URL
 from app.main import create_app
 from app.settings import Settings
 

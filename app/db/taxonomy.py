@@ -16,7 +16,9 @@ when that name is one of the category's known minor items.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import Field
 
 PATH_SEPARATOR = " > "
 
@@ -26,9 +28,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Classification:
-    major: str
-    middle: str | None
-    minor: str | None
+    """The item's category in the taxonomy."""
+
+    major: Annotated[str, Field(description="Major category (대분류).")]
+    middle: Annotated[
+        str | None, Field(description="Middle category; set for recyclables (재활용폐기물) only.")
+    ]
+    minor: Annotated[str | None, Field(description="One of the category's known items, or null.")]
 
     def to_json(self) -> dict[str, str | None]:
         return {"major": self.major, "middle": self.middle, "minor": self.minor}

@@ -3,7 +3,8 @@
 
 Files are read once and kept in memory. The page carries the service's
 `IMAGE_LONG_SIDE` (a `<meta>` the script reads), so the photo it downscales is one
-the service sends on as it came instead of decoding and re-encoding it. Each response
+the service sends on as it came instead of decoding and re-encoding it, and the
+service's stage list (the progress list's items, by each stage's `name` and `label`). Each response
 carries a strong ETag (the package version plus a hash of the bytes) and answers
 `If-None-Match` with 304. The page itself is revalidated on every load (`no-cache`);
 the assets it links carry `?v=<package version>` in their URL and are cached for a day
@@ -13,8 +14,10 @@ when the version matches.
 from __future__ import annotations
 
 import hashlib
+import html
 import importlib.metadata
 import importlib.resources
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -27,6 +30,11 @@ router = APIRouter(include_in_schema=False)
 
 VERSION_PLACEHOLDER = "__VERSION__"
 LONG_SIDE_PLACEHOLDER = "__IMAGE_LONG_SIDE__"
+STAGES_PLACEHOLDER = "__STAGES__"
+_STAGE_ITEM = (
+    '        <li data-step="{name}" data-status="waiting"><span class="stage-name">{label}</span> '
+    '<span class="stage-state">대기</span></li>'
+)
 ASSET_MAX_AGE_S = 86_400
 _TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -56,8 +64,13 @@ def package_version() -> str:
         return "0"
 
 
+def stage_items(stages: Sequence[tuple[str, str]]) -> str:
+    """The progress list's items, one per stage (name, label), in order."""
+    return "\n".join(_STAGE_ITEM.format(name=html.escape(n), label=html.escape(label)) for n, label in stages)
+
+
 @cache
-def static_files(image_long_side: int) -> dict[str, StaticFile]:
+def static_files(image_long_side: int, stages: tuple[tuple[str, str], ...]) -> dict[str, StaticFile]:
     version = package_version()
     files: dict[str, StaticFile] = {}
     for entry in importlib.resources.files("app").joinpath("static").iterdir():
@@ -68,6 +81,7 @@ def static_files(image_long_side: int) -> dict[str, StaticFile]:
         if suffix in (".html", ".js", ".css"):
             body = body.replace(VERSION_PLACEHOLDER.encode(), version.encode())
             body = body.replace(LONG_SIDE_PLACEHOLDER.encode(), str(image_long_side).encode())
+            body = body.replace(STAGES_PLACEHOLDER.encode(), stage_items(stages).encode())
         digest = hashlib.sha256(body).hexdigest()[:16]
         files[entry.name] = StaticFile(body, _TYPES[suffix], f'"{version}-{digest}"')
     return files
@@ -82,7 +96,8 @@ def _matches(if_none_match: str | None, etag: str) -> bool:
 
 def _serve(request: Request, name: str, cache_control: str) -> Response:
     resources: Resources = request.state.resources
-    file = static_files(resources.settings.image_long_side).get(name)
+    stages = tuple((stage.name, stage.label) for stage in resources.stages)
+    file = static_files(resources.settings.image_long_side, stages).get(name)
     if file is None:
         return Response(
             b'{"detail":"Not Found","code":"NOT_FOUND"}', status_code=404, media_type="application/json"

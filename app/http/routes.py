@@ -13,7 +13,7 @@ from sse_starlette import EventSourceResponse
 
 from app.db.pool import DB_ERRORS
 from app.errors import InvalidRequest, ScanNotFound, Unauthorized
-from app.http import openapi as doc
+from app.http.openapi import operations as doc
 from app.intake.acceptance import RepeatedScan
 from app.resources import Resources
 from app.streaming.access import Reader
@@ -68,7 +68,6 @@ async def categories(request: Request) -> Response:
     tags=["scan"],
     summary="A scan's status and result",
     description=doc.SCAN_STATUS_DESCRIPTION,
-    response_model=doc.ScanStatus,
     responses=doc.scan_status_responses(),
     openapi_extra=doc.SCAN_STATUS_OPENAPI_EXTRA,
 )

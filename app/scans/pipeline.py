@@ -35,7 +35,7 @@ from app.scans.events import AnswerDelta, EventLog, LogEntry, ScanDone, ScanErro
 from app.scans.finished import FinishedScans
 from app.scans.mirror import ScanStreams
 from app.scans.run import ScanRun
-from app.scans.runner import PROGRESS_END, ScanProgress, StageRunner
+from app.scans.runner import ScanProgress, StageRunner
 from app.scans.store import ScanStore, TerminalRow
 from app.stages.context import AcceptedScan, ScanContext
 from app.upstream.client import safety_identifier
@@ -158,11 +158,10 @@ class ScanPipeline:
     async def _stages(
         self, scan: AcceptedScan, events: EventLog, progress: ScanProgress, deadline: float
     ) -> None:
-        answer_span = self._runner.spans.get("answer")
-        delta_ceiling = (answer_span.completed - 1) if answer_span else PROGRESS_END
-
         async def delta(text: str) -> None:
-            events.append(AnswerDelta("answer", text), min(delta_ceiling, events.progress + 1))
+            # Text the running stage streams: its progress creeps up, short of its completion.
+            ceiling = self._runner.spans[progress.step].completed - 1
+            events.append(AnswerDelta(progress.step, text), min(ceiling, events.progress + 1))
 
         ctx = ScanContext(scan, safety_identifier(scan.user_id), delta)
         for stage in self._runner.stages:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from app.errors import ScanDeadlineExceeded, StageTimeout
 from app.limits.clock import Clock
 from app.runtime.metrics import Metrics
 from app.scans.events import EventLog, StageCompleted, StageStarted
-from app.stages.base import Stage
+from app.stages.base import Stage, StageDeclaration, StageResult
 from app.stages.context import ScanContext
 
 # The bar runs from here to PROGRESS_END across the stages, by their shares; `done` is 100.
@@ -29,7 +30,7 @@ class ProgressSpan:
     completed: int
 
 
-def progress_spans(stages: list[Stage[Any]]) -> dict[str, ProgressSpan]:
+def progress_spans(stages: Sequence[StageDeclaration]) -> dict[str, ProgressSpan]:
     """Each stage's progress at start and completion, from the stages' shares."""
     total = sum(stage.progress_share for stage in stages) or 1
     width = PROGRESS_END - PROGRESS_START
@@ -52,8 +53,8 @@ class ScanProgress:
 
 
 class StageRunner:
-    def __init__(self, stages: list[Stage[Any]], *, metrics: Metrics, clock: Clock) -> None:
-        self.stages = stages
+    def __init__(self, stages: Sequence[Stage[StageResult]], *, metrics: Metrics, clock: Clock) -> None:
+        self.stages = list(stages)
         self.spans = progress_spans(stages)
         self._metrics = metrics
         self._clock = clock
@@ -64,7 +65,12 @@ class StageRunner:
         return sum(stage.upstream_calls for stage in self.stages)
 
     async def run(
-        self, stage: Stage[Any], ctx: ScanContext, log: EventLog, progress: ScanProgress, deadline: float
+        self,
+        stage: Stage[StageResult],
+        ctx: ScanContext,
+        log: EventLog,
+        progress: ScanProgress,
+        deadline: float,
     ) -> None:
         progress.step = stage.name
         span = self.spans[stage.name]
@@ -78,12 +84,15 @@ class StageRunner:
             if deadline < stage_deadline:
                 raise ScanDeadlineExceeded() from None
             raise StageTimeout(f"The {stage.name} stage took longer than {stage.timeout_s:g}s.") from None
-        ctx.results[stage.name] = result
-        progress.result.update(stage.result_fields(result))
+        ctx.results[type(result)] = result
+        fields = result.event_fields()
+        progress.result.update(result.done_fields(fields))
         duration_ms = progress.timings[f"{stage.name}_ms"]
-        log.append(StageCompleted(stage.name, duration_ms, stage.event_fields(result)), span.completed)
+        log.append(StageCompleted(stage.name, duration_ms, fields), span.completed)
 
-    async def _timed(self, stage: Stage[Any], ctx: ScanContext, progress: ScanProgress) -> Any:
+    async def _timed(
+        self, stage: Stage[StageResult], ctx: ScanContext, progress: ScanProgress
+    ) -> StageResult:
         began = time.perf_counter()
         outcome = "failed"
         try:
@@ -95,7 +104,7 @@ class StageRunner:
         else:
             outcome = "completed"
             elapsed = time.perf_counter() - began
-            self._metrics.stage_service.labels(stage.name).observe(elapsed - stage.queue_seconds(result))
+            self._metrics.stage_service.labels(stage.name).observe(elapsed - result.queue_seconds())
             return result
         finally:
             elapsed = time.perf_counter() - began

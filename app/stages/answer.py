@@ -36,13 +36,16 @@ from typing import Any
 
 import jiter
 import orjson
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from app.errors import UpstreamBadResponse
+from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext
-from app.stages.results import Answer, RuleMatch, VisionResult
+from app.stages.rule import DisposalRules, RuleResult
+from app.stages.vision import VisionResult
 from app.upstream.client import ChatCall, ChatResult, Upstream
 from app.upstream.profiles import CallShape
-from app.upstream.reply_cache import ReplyCache, request_digest
+from app.upstream.reply_cache import CacheLimits, ReplyCache, request_digest
 from app.upstream.tokens import estimate_chat_tokens, estimate_text_tokens
 
 ANSWER_SCHEMA: dict[str, Any] = {
@@ -127,10 +130,44 @@ class _DeltaWriter:
         return 0.0
 
 
+class Answer(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    steps: list[str]
+    insufficiencies: list[str] = Field(description="What the user still has to do.")
+    user_answer: str
+
+
+class AnswerResult(StageResult):
+    """The guidance is written (the `delta` texts were its rendering)."""
+
+    answer: Answer
+    # The call behind it (usage, queue time); None when the cache or another scan's call served it.
+    _call: ChatResult | None = PrivateAttr(default=None)
+
+    def queue_seconds(self) -> float:
+        return self._call.queue_s if self._call is not None else 0.0
+
+
 class AnswerStage:
     name = "answer"
+    label = "안내 작성"
     progress_share = 45
     upstream_calls = 1
+    streams_text = True
+    result_type = AnswerResult
+
+    @classmethod
+    async def start(cls, env: StageEnv) -> AnswerStage:
+        s = env.settings
+        limits = CacheLimits(s.answer_cache_entries, s.answer_cache_bytes, s.answer_cache_ttl_s)
+        return cls(
+            env.upstream,
+            shape=s.call_shape(cls.name),
+            delta_flush_s=s.delta_flush_ms / 1000,
+            timeout_s=s.answer_timeout_s,
+            cache=ReplyCache.bounded(cls.name, limits, clock=env.clock, metrics=env.metrics),
+        )
 
     def __init__(
         self,
@@ -156,12 +193,12 @@ class AnswerStage:
         self._request_shape = request_digest(shape.model, shape.params, self._response_format)
 
     def build_call(
-        self, vision: VisionResult, rule: RuleMatch, user_input: str | None, safety_id: str | None = None
+        self, vision: VisionResult, rule: RuleResult, user_input: str | None, safety_id: str | None = None
     ) -> ChatCall:
         c = vision.classification
         # The rule first: every scan of its category sends it (see the module docstring).
         facts: dict[str, Any] = {
-            "배출 규칙": _condensed(rule.document) if rule.document else rule.reason,
+            "배출 규칙": _condensed(rule.disposal_rules) if rule.disposal_rules else rule.reason,
             "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor or vision.item_name},
             "상황 태그": sorted(vision.situation_tags),
             "사용자 질문": user_input or "(없음)",
@@ -185,10 +222,10 @@ class AnswerStage:
     def cache_key(self, call: ChatCall) -> str:
         return request_digest(self._request_shape, call.messages)
 
-    async def run(self, ctx: ScanContext) -> Answer:
+    async def run(self, ctx: ScanContext) -> AnswerResult:
         writer = _DeltaWriter(ctx.emit_delta, self._delta_flush_s)
         user_input = ctx.scan.input.user_input
-        call = self.build_call(ctx.vision, ctx.rule, user_input, ctx.safety_id)
+        call = self.build_call(ctx.result(VisionResult), ctx.result(RuleResult), user_input, ctx.safety_id)
         made: list[ChatResult] = []
 
         async def write() -> str:
@@ -206,18 +243,13 @@ class AnswerStage:
         # From the cache or another scan's call: the whole rendering as one delta (after a
         # call of this scan's own, everything was sent already and this sends nothing).
         await writer.update(text, final=True)
-        return parse_answer(text, made[0] if made else None)
-
-    def event_fields(self, result: Answer) -> dict[str, Any]:
-        return {"answer": result.to_json()}
-
-    result_fields = event_fields
-
-    def queue_seconds(self, result: Answer) -> float:
-        return result.call.queue_s if result.call is not None else 0.0
+        result = AnswerResult(answer=parse_answer(text))
+        if made:
+            result._call = made[0]
+        return result
 
 
-def parse_answer(text: str, call: ChatResult | None = None) -> Answer:
+def parse_answer(text: str) -> Answer:
     try:
         doc = orjson.loads(text)
         user_answer = doc["user_answer"]
@@ -227,16 +259,19 @@ def parse_answer(text: str, call: ChatResult | None = None) -> Answer:
         raise UpstreamBadResponse("The answer was not the expected JSON.") from None
     if not (isinstance(user_answer, str) and _strings(steps) and _strings(missing)):
         raise UpstreamBadResponse("The answer JSON had fields of the wrong type.")
-    return Answer(user_answer.strip(), [s.strip() for s in steps], [s.strip() for s in missing], call)
+    return Answer(
+        user_answer=user_answer.strip(),
+        steps=[s.strip() for s in steps],
+        insufficiencies=[s.strip() for s in missing],
+    )
 
 
 def _strings(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
-def _condensed(document: dict[str, Any]) -> dict[str, Any]:
+def _condensed(rules: DisposalRules) -> dict[str, Any]:
     """The parts of a rule document the answer is written from. Every token here is paid
     on every scan (and counted against TPM): titles, tips and the not-accepted list are
     left out; the client gets the whole document in the `rule` event anyway."""
-    keep = ("summary", "preparation", "disposal")
-    return {k: document[k] for k in keep if k in document}
+    return {"summary": rules.summary, "preparation": rules.preparation, "disposal": rules.disposal}

@@ -1,5 +1,5 @@
 """What one running scan knows: its input, its deadlines, and the results of the stages
-that ran so far. Stages read earlier results here (typed), never from each other."""
+that ran so far. Stages read earlier results here, by the result's type."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, cast
+from typing import Literal, TypeVar
 
 from app.images.prepare import PreparedImage
 from app.limits.admission import Ticket
-from app.stages.results import Answer, Reward, RuleMatch, VisionResult
 
 T = TypeVar("T")
 
@@ -45,28 +44,13 @@ class AcceptedScan:
 class ScanContext:
     scan: AcceptedScan
     safety_id: str | None  # what OpenAI's safety_identifier gets (a hash, never the id)
-    emit_delta: Callable[[str], Awaitable[None]]  # the answer stage's streamed text
+    emit_delta: Callable[[str], Awaitable[None]]  # text a stage streams (`delta` events)
     deadline: float = 0.0  # the current stage's, on the pipeline's clock
-    results: dict[str, Any] = field(default_factory=dict)  # stage name -> its result
+    results: dict[type, object] = field(default_factory=dict)  # result type -> the result
 
-    def _result(self, stage: str, kind: type[T]) -> T:
-        if stage not in self.results:
-            raise LookupError(f"the {stage} stage has not run before this one")
-        result: T = self.results[stage]  # what the stage stored (its `kind`), not checked per call
-        return result
-
-    @property
-    def vision(self) -> VisionResult:
-        return self._result("vision", VisionResult)
-
-    @property
-    def rule(self) -> RuleMatch:
-        return self._result("rule", RuleMatch)
-
-    @property
-    def answer(self) -> Answer:
-        return self._result("answer", Answer)
-
-    @property
-    def reward(self) -> Reward | None:
-        return cast("Reward | None", self.results.get("reward"))
+    def result(self, kind: type[T]) -> T:
+        """An earlier stage's result, by its type (`ctx.result(VisionResult)`)."""
+        found = self.results.get(kind)
+        if not isinstance(found, kind):
+            raise LookupError(f"no {kind.__name__}: the stage that makes it has not run before this one")
+        return found

@@ -4,11 +4,12 @@ it, the OpenAPI document, the page, the tests and the benchmark tools read it.""
 from __future__ import annotations
 
 from app.stages.answer import AnswerStage
+from app.stages.base import StageClass
 from app.stages.reward import RewardStage
 from app.stages.rule import RuleBook
 from app.stages.vision import VisionStage
 
-STAGES = (VisionStage, RuleBook, AnswerStage, RewardStage)
+STAGES: tuple[StageClass, ...] = (VisionStage, RuleBook, AnswerStage, RewardStage)
 
 
 def stage_names() -> list[str]:

@@ -14,15 +14,20 @@ ownership row (both false).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import asyncpg
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from app.db.pool import DB_ERRORS
 from app.db.taxonomy import Classification
 from app.errors import DatabaseError
+from app.stages.answer import Answer, AnswerResult
+from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext
-from app.stages.results import Answer, Character, Reward, RuleMatch
+from app.stages.rule import RuleResult
+from app.stages.vision import VisionResult
 
 _RECORD = """
     INSERT INTO character_ownership (user_id, character_code, scan_id)
@@ -34,10 +39,44 @@ if TYPE_CHECKING:
     from app.db.pool import DbConn
 
 
+class Character(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    code: str
+    name: str
+    dialog: str
+    # The middle category it is the character of (None: the default one); not sent.
+    middle: SkipJsonSchema[str | None] = Field(default=None, exclude=True)
+
+
+class Reward(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    character: Character
+    received: bool = Field(description="This scan added the character to the user's collection.")
+    already_owned: bool = Field(description="The user had it before (anonymous scans: both false).")
+
+
+class RewardResult(StageResult):
+    """The reward was matched (null unless the item earns one)."""
+
+    reward: Reward | None
+
+
 class RewardStage:
     name = "reward"
+    label = "캐릭터 확인"
     progress_share = 6
     upstream_calls = 0
+    streams_text = False
+    result_type = RewardResult
+
+    @classmethod
+    async def start(cls, env: StageEnv) -> RewardStage:
+        """The characters are read once, at start-up."""
+        async with env.pool.acquire() as conn:
+            characters = await cls.load_characters(conn)
+        return cls(env.pool, characters, env.taxonomy.recyclable, timeout_s=env.settings.db_timeout_s)
 
     def __init__(
         self,
@@ -57,13 +96,15 @@ class RewardStage:
     @staticmethod
     async def load_characters(conn: DbConn) -> list[Character]:
         rows = await conn.fetch("SELECT code, name, dialog, middle FROM characters ORDER BY code")
-        return [Character(r["code"], r["name"], r["dialog"], r["middle"]) for r in rows]
+        return [
+            Character(code=r["code"], name=r["name"], dialog=r["dialog"], middle=r["middle"]) for r in rows
+        ]
 
-    def eligible(self, c: Classification, rule: RuleMatch, answer: Answer) -> bool:
+    def eligible(self, c: Classification, rule: RuleResult, answer: Answer) -> bool:
         return (
             c.major in self._recyclable
             and c.middle is not None
-            and rule.document is not None
+            and rule.disposal_rules is not None
             and not answer.insufficiencies
         )
 
@@ -71,27 +112,22 @@ class RewardStage:
         character = self._by_middle.get(c.middle) if c.middle is not None else None
         return character or self._default
 
-    async def run(self, ctx: ScanContext) -> Reward | None:
-        c, rule, answer = ctx.vision.classification, ctx.rule, ctx.answer
-        if not self.eligible(c, rule, answer):
+    async def run(self, ctx: ScanContext) -> RewardResult:
+        return RewardResult(reward=await self._reward(ctx))
+
+    async def _reward(self, ctx: ScanContext) -> Reward | None:
+        c = ctx.result(VisionResult).classification
+        if not self.eligible(c, ctx.result(RuleResult), ctx.result(AnswerResult).answer):
             return None
         character = self.match(c)
         if character is None:
             return None
         user_id = ctx.scan.user_id
         if user_id is None:
-            return Reward(character, received=False, already_owned=False)
+            return Reward(character=character, received=False, already_owned=False)
         try:
             async with self._pool.acquire() as conn:
                 inserted = await conn.fetchval(_RECORD, user_id, character.code, ctx.scan.id)
         except DB_ERRORS as exc:
             raise DatabaseError() from exc
-        return Reward(character, received=inserted is not None, already_owned=inserted is None)
-
-    def event_fields(self, result: Reward | None) -> dict[str, Any]:
-        return {"reward": result.to_json() if result is not None else None}
-
-    result_fields = event_fields
-
-    def queue_seconds(self, result: Reward | None) -> float:
-        return 0.0
+        return Reward(character=character, received=inserted is not None, already_owned=inserted is None)

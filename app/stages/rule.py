@@ -21,17 +21,22 @@ dropped, since changes made meanwhile were never announced to us.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import asyncpg
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.db.pool import DB_ERRORS
 from app.db.taxonomy import Classification
 from app.errors import DatabaseError
 from app.limits.clock import Clock, MonotonicClock
+from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext
-from app.stages.results import RuleMatch
+from app.stages.vision import VisionResult
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +64,84 @@ _BY_MINOR = """
     LIMIT 1"""
 
 
+class NotAcceptedItem(BaseModel):
+    item: str
+    instead: str
+
+
+class RuleKey(BaseModel):
+    major: str
+    middle: str | None
+
+
+class DisposalRules(BaseModel):
+    """The rule document for the item's category."""
+
+    # A document may carry more than the fields below; what it carries is sent.
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    title: str
+    summary: str
+    preparation: list[str]
+    disposal: list[str]
+    not_accepted: list[NotAcceptedItem]
+    tips: list[str]
+    matched_by: Literal["exact", "minor", "major"]
+    key: RuleKey
+
+
+class RuleResult(StageResult):
+    """The disposal rules were looked up."""
+
+    done_names: ClassVar[Mapping[str, str]] = {"reason": "disposal_rules_reason"}
+
+    disposal_rules: DisposalRules | None
+    reason: str | None = Field(description="Why `disposal_rules` is null.")
+
+
+@dataclass(frozen=True)
+class RuleMatch:
+    """What a lookup found: the document as stored, and how it was found."""
+
+    document: dict[str, Any] | None
+    matched_by: str | None  # exact | minor | major, None when nothing matched
+    key: dict[str, str | None] | None
+    reason: str | None = None
+
+    @functools.cached_property
+    def result(self) -> RuleResult:
+        """The stage's result, built (and the document checked) once per cached match."""
+        rules = None
+        if self.document is not None:
+            rules = DisposalRules.model_validate(
+                {**self.document, "matched_by": self.matched_by, "key": self.key}
+            )
+        return RuleResult(disposal_rules=rules, reason=self.reason)
+
+
 class RuleBook:
     """The rule stage: cached rule lookups, invalidated by NOTIFY."""
 
     name = "rule"
+    label = "배출 규정 찾기"
     progress_share = 8
     upstream_calls = 0
+    streams_text = False
+    result_type = RuleResult
+
+    @classmethod
+    async def start(cls, env: StageEnv) -> RuleBook:
+        """The rule book, listening for changes from the start (see `start_listening`)."""
+        rules = cls(
+            env.pool,
+            recyclable=env.taxonomy.recyclable,
+            ttl_s=env.settings.rules_cache_ttl_s,
+            timeout_s=env.settings.db_timeout_s,
+        )
+        await rules.start_listening(env.dsn)
+        env.stack.push_async_callback(rules.close)
+        env.metrics.rules_listener_up.set_function(lambda: float(rules.listening))
+        return rules
 
     def __init__(
         self,
@@ -192,20 +269,12 @@ class RuleBook:
         invalidate it, a short one while it cannot."""
         return self._ttl_s if self.listening else min(self._ttl_s, LISTENER_DOWN_TTL_S)
 
-    async def run(self, ctx: ScanContext) -> RuleMatch:
+    async def run(self, ctx: ScanContext) -> RuleResult:
         try:
-            return await self.find(ctx.vision.classification)
+            match = await self.find(ctx.result(VisionResult).classification)
         except DB_ERRORS as exc:
             raise DatabaseError() from exc
-
-    def event_fields(self, result: RuleMatch) -> dict[str, Any]:
-        return {"disposal_rules": result.to_json(), "reason": result.reason}
-
-    def result_fields(self, result: RuleMatch) -> dict[str, Any]:
-        return {"disposal_rules": result.to_json(), "disposal_rules_reason": result.reason}
-
-    def queue_seconds(self, result: RuleMatch) -> float:
-        return 0.0
+        return match.result
 
     async def find(self, c: Classification) -> RuleMatch:
         self._notice_dead_listener()

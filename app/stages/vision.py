@@ -24,14 +24,15 @@ import json
 from typing import Any
 
 import orjson
+from pydantic import Field, PrivateAttr
 
 from app.db.taxonomy import Classification, Taxonomy
 from app.errors import UpstreamBadResponse
+from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext, ScanInput
-from app.stages.results import VisionResult
 from app.upstream.client import ChatCall, ChatResult, Upstream
 from app.upstream.profiles import CallShape
-from app.upstream.reply_cache import ReplyCache, request_digest
+from app.upstream.reply_cache import CacheLimits, ReplyCache, request_digest
 from app.upstream.tokens import estimate_chat_tokens, estimate_text_tokens
 
 MAX_TAGS = 8
@@ -48,10 +49,40 @@ INSTRUCTION = "이 물건을 분류해 주세요."
 MEMO_PREFIX = "사용자 메모: "
 
 
+class VisionResult(StageResult):
+    """The vision stage classified the item."""
+
+    classification: Classification
+    item_name: str = Field(description="The model's own words for the item.")
+    situation_tags: list[str]
+    # The call behind it (usage, queue time); an empty one when the cache or another
+    # scan's call served it.
+    _call: ChatResult = PrivateAttr(default_factory=ChatResult)
+
+    def queue_seconds(self) -> float:
+        return self._call.queue_s
+
+
 class VisionStage:
     name = "vision"
+    label = "사진 분석"
     progress_share = 25
     upstream_calls = 1
+    streams_text = False
+    result_type = VisionResult
+
+    @classmethod
+    async def start(cls, env: StageEnv) -> VisionStage:
+        s = env.settings
+        limits = CacheLimits(s.vision_cache_entries, s.vision_cache_bytes, s.vision_cache_ttl_s)
+        return cls(
+            env.upstream,
+            env.taxonomy,
+            shape=s.call_shape(cls.name),
+            detail=s.vision_detail,
+            timeout_s=s.vision_timeout_s,
+            cache=ReplyCache.bounded(cls.name, limits, clock=env.clock, metrics=env.metrics),
+        )
 
     def __init__(
         self,
@@ -145,16 +176,10 @@ class VisionStage:
         # thousands of scans in flight, holding it through the answer adds up.
         ctx.scan.input = scan.without_image()
         classification, item, tags = self.parse(text)
-        # Served by the cache or by another scan's call, this scan made none: no usage.
-        return VisionResult(classification, item, tags, made[0] if made else ChatResult())
-
-    def event_fields(self, result: VisionResult) -> dict[str, Any]:
-        return result.to_json()
-
-    result_fields = event_fields
-
-    def queue_seconds(self, result: VisionResult) -> float:
-        return result.call.queue_s
+        result = VisionResult(classification=classification, item_name=item, situation_tags=tags)
+        if made:  # served by the cache or by another scan's call, this scan made none: no usage
+            result._call = made[0]
+        return result
 
     def parse(self, text: str) -> tuple[Classification, str, list[str]]:
         try:

@@ -7,7 +7,6 @@ const SCAN_URL = "/api/v1/scan/classify/completion";
 const LONG_SIDE = Number(document.querySelector('meta[name="ecoscan-image-long-side"]')?.content) || 768;
 const JPEG_QUALITY = 0.85;
 const RESUME_DELAYS_MS = [500, 1500, 3000];
-const STEPS = ["vision", "rule", "answer", "reward"];
 
 const $ = (id) => document.getElementById(id);
 const els = {
@@ -405,8 +404,9 @@ function handleEvent(scan, sse) {
     els.answerText.append(data.text || "");
   } else if (sse.event === "done") {
     scan.terminal = true;
-    for (const step of STEPS) {
-      const li = els.stages.querySelector(`[data-step="${step}"]`);
+    // The stages are the service's list, written into the page (app/http/page.py).
+    for (const li of els.stages.children) {
+      const step = li.dataset.step;
       if (li.dataset.status !== "completed") setStage(step, "completed", data.timings?.[`${step}_ms`]);
     }
     renderClassification(data);

@@ -111,6 +111,11 @@ class _LruStore:
 
 
 class ReplyCache:
+    @classmethod
+    def bounded(cls, name: str, limits: CacheLimits, *, clock: Clock, metrics: Metrics) -> ReplyCache | None:
+        """A stage's cache, or None when a bound of 0 turns it off (the stage then keys nothing)."""
+        return cls(name, limits, clock=clock, metrics=metrics) if limits.enabled else None
+
     def __init__(self, name: str, limits: CacheLimits, *, clock: Clock, metrics: Metrics) -> None:
         self.name = name
         self.limits = limits

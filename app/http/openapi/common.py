@@ -1,0 +1,3 @@
+"""What every part of the document shares."""
+
+REF = "#/components/schemas/"
