@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import make_images
+from sweep.k6_run import stage_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -157,6 +158,7 @@ def main() -> int:
             "DURATION": args.duration,
             "IMAGE_SET": args.image_set,
             "SUMMARY_JSON": str(args.out / "k6-summary.json"),
+            **stage_env(),
         }
         seconds = float(args.duration.rstrip("s"))
         subprocess.run(

@@ -1,18 +1,19 @@
 """The lean floor: ecoscan's scan endpoint at the lowest CPU per scan we could reach.
 
 A benchmark yardstick, not product code (the cost-per-scan issue's "lean floor"). It
-serves `POST /api/v1/scan/classify/completion` with ecoscan's four stages, the same
-upstream calls, the same database writes and the same SSE events, as plainly as Python
-allows, so that k6/cpu_per_scan.py measures in the same sitting as ecoscan how low the
-CPU per scan can go on this machine:
+serves `POST /api/v1/scan/classify/completion` with ecoscan's stages, the same upstream
+calls, the same database writes and the same SSE events, as plainly as Python allows, so
+that k6/cpu_per_scan.py measures in the same sitting as ecoscan how low the CPU per scan
+can go on this machine:
 
 - a raw ASGI callable (no FastAPI/Starlette routing, no sse-starlette);
 - one aiohttp.ClientSession (keep-alive, up to 1,024 connections) and request bodies
   pre-serialised with orjson: each call's constant part (model, parameters, json_schema)
   once at start-up, the scan's messages appended to it;
-- orjson for every JSON, and ecoscan's own asyncpg pool (app/db/pool.py: its size, its
-  orjson jsonb codec, no reset query on release);
-- ecoscan's own migrations, taxonomy, prompts, SQL statements and event shapes;
+- orjson for every JSON, and ecoscan's asyncpg pool (`create_pool`: its size, its orjson
+  jsonb codec, no reset query on release);
+- its own SQL against the tables ecoscan's migrations create, and ecoscan's public
+  taxonomy, prompts, schemas, answer rendering and stage list (the progress spans);
 - per scan, ecoscan's database work: the `running` INSERT and the terminal UPDATE of
   `scans` (result, timings, the whole event log), the rule lookup (cached in a dict),
   the character-ownership INSERT;
@@ -22,7 +23,9 @@ CPU per scan can go on this machine:
 
 No budgets, admission, metrics (/metrics is an empty 200), retries, reply caches, NOTIFY
 listener or validation beyond what the work needs, and no image re-encoding: the JPEG
-goes to the model as the data URL it came in (decoded once, for the row's hash).
+goes to the model as the data URL it came in (decoded once, for the row's hash). Its
+stages are written out below, one by one: when ecoscan's list (app/stages/order.py) is
+another, it refuses to start rather than measure another job.
 
     .venv/bin/python k6/cpu_per_scan.py --app k6/lean_floor:app
     DATABASE_URL=postgresql://... OPENAI_BASE_URL=http://127.0.0.1:8100/v1 OPENAI_API_KEY=sim \\
@@ -54,12 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `app`, under 
 from app.db.migrations import apply_migrations, bundled_migrations
 from app.db.pool import create_pool, tagged_dsn
 from app.db.taxonomy import Classification, Taxonomy, load_taxonomy
-from app.scans.store import _FINISH, _INSERT
+from app.scans.runner import progress_spans
 from app.settings import Settings
 from app.stages import answer as answer_stage
 from app.stages import vision as vision_stage
-from app.stages.reward import _RECORD
-from app.stages.rule import _BY_MINOR, _EXACT
+from app.stages.order import STAGES
 from app.upstream.client import safety_identifier
 
 Scope = dict[str, Any]
@@ -69,16 +71,44 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 log = logging.getLogger("lean_floor")
 
 SCAN_PATH = "/api/v1/scan/classify/completion"
-# Each stage's progress at start and end: app/scans/runner.py's split of 2-98 by the
-# stages' shares (25, 8, 45, 6). Deltas climb by one, below the answer's end; done is 100.
-SPANS = {"vision": (2, 30), "rule": (30, 39), "answer": (39, 91), "reward": (91, 98)}
-DELTA_CEILING = SPANS["answer"][1] - 1
+FLOOR_STAGES = ("vision", "rule", "answer", "reward")  # what `LeanFloor.run` does, in order
+# Each stage's progress at start and end, split by the stage list's shares (progress_spans
+# reads each class's name and share only). Deltas climb by one, below the answer's end;
+# done is 100.
+SPANS = progress_spans(list(STAGES))  # type: ignore[arg-type]
+DELTA_CEILING = SPANS["answer"].completed - 1
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store")]
-NO_KEY = (None, None, None, None)  # the row's idempotency scope, key, request and token hashes
+
+# The floor's own SQL, on the tables of ecoscan's migrations (app/data/migrations/).
+INSERT_SCAN = """
+    INSERT INTO scans (id, user_id, status, image_source, image_sha256, user_input, instance_id)
+    VALUES ($1, $2, 'running', $3, $4, $5, $6)"""
+FINISH_SCAN = """
+    UPDATE scans SET
+        status = $2, classification = $3, situation_tags = $4, disposal_rules = $5,
+        answer = $6, reward = $7, timings = $8, error_step = $9, error_code = $10,
+        error_message = $11, event_log = $12, finished_at = now()
+    WHERE id = $1"""
+RULE_BY_KEY = """
+    SELECT major, middle, document FROM disposal_rules WHERE major = $1 AND middle IS NOT DISTINCT FROM $2"""
+RULE_BY_MINOR = """
+    SELECT r.major, r.middle, r.document
+    FROM taxonomy_minor m
+    JOIN disposal_rules r ON r.major = m.major AND r.middle IS NOT DISTINCT FROM m.middle
+    WHERE m.name = $1
+    ORDER BY (m.major = $2) DESC, m.major
+    LIMIT 1"""
+OWN_CHARACTER = """
+    INSERT INTO character_ownership (user_id, character_code, scan_id) VALUES ($1, $2, $3)
+    ON CONFLICT (user_id, character_code) DO NOTHING
+    RETURNING 1"""
+
 ROW_RESULT = ("classification", "situation_tags", "disposal_rules", "answer", "reward")
 VISION_SYSTEM: dict[str, Any] = {"role": "system", "content": vision_stage.SYSTEM_PROMPT}
 VISION_INSTRUCTION: dict[str, Any] = {"type": "text", "text": vision_stage.INSTRUCTION}
 ANSWER_SYSTEM: dict[str, Any] = {"role": "system", "content": answer_stage.SYSTEM_PROMPT}
+# The rule document's parts the answer's prompt carries (the client gets all of it).
+PROMPT_RULE_PARTS = ("summary", "preparation", "disposal")
 # A rule lookup: `disposal_rules` as sent (None: no rule), the reason if none, what the answer's prompt gets.
 Rule = tuple[dict[str, Any] | None, str | None, Any]
 
@@ -132,12 +162,14 @@ class Scan:
 
     def started(self, step: str) -> float:
         self.step = step
-        self.event("stage", step, SPANS[step][0], {"status": "started"})
+        self.event("stage", step, SPANS[step].started, {"status": "started"})
         return time.perf_counter()
 
     def completed(self, step: str, began: float, fields: dict[str, Any]) -> None:
         duration = self.timings[f"{step}_ms"] = _ms(began)
-        self.event("stage", step, SPANS[step][1], {"status": "completed", "duration_ms": duration, **fields})
+        self.event(
+            "stage", step, SPANS[step].completed, {"status": "completed", "duration_ms": duration, **fields}
+        )
 
     def delta(self, text: str) -> None:
         self.event("delta", "answer", min(DELTA_CEILING, self.progress + 1), {"text": text})
@@ -195,6 +227,8 @@ class LeanFloor:
                 return
 
     async def startup(self) -> None:
+        if tuple(SPANS) != FLOOR_STAGES:
+            raise RuntimeError(f"ecoscan's stages are {list(SPANS)}, the floor's {list(FLOOR_STAGES)}")
         s = self.settings = Settings.from_env()
         if not (s.database_url and s.openai_base_url and s.openai_api_key):
             raise RuntimeError("DATABASE_URL, OPENAI_BASE_URL and OPENAI_API_KEY must be set")
@@ -259,7 +293,7 @@ class LeanFloor:
         scan = Scan(send, user_id, received)
         scan.timings["prepare_ms"] = _ms(prepared)
         source, owner = "data_url", self.instance_id
-        await self.pool.execute(_INSERT, scan.id, user_id, source, image_sha256, user_input, owner, *NO_KEY)
+        await self.pool.execute(INSERT_SCAN, scan.id, user_id, source, image_sha256, user_input, owner)
         headers = [*SSE_HEADERS, (b"x-scan-id", scan.job_id.encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         try:
@@ -273,7 +307,7 @@ class LeanFloor:
         await scan.flush(last=True)
 
     async def run(self, scan: Scan, image_url: str, user_input: str | None) -> None:
-        """The four stages; events are flushed before each upstream call and at the end."""
+        """FLOOR_STAGES in order; events are flushed before each upstream call and at the end."""
         safety_id = safety_identifier(scan.user_id)
         began = scan.started("vision")
         await scan.flush()
@@ -309,7 +343,7 @@ class LeanFloor:
         if eligible and disposal_rules is not None and not missing and character is not None:
             got = had = False  # anonymous: a match, no ownership row
             if scan.user_id is not None:
-                inserted = await self.pool.fetchval(_RECORD, scan.user_id, character["code"], scan.id)
+                inserted = await self.pool.fetchval(OWN_CHARACTER, scan.user_id, character["code"], scan.id)
                 got, had = inserted is not None, inserted is None
             reward = {"character": character, "received": got, "already_owned": had}
         scan.result["reward"] = reward
@@ -324,7 +358,7 @@ class LeanFloor:
         """The terminal UPDATE: result, timings and the event log as sent, last event included."""
         result = (scan.result.get(column) for column in ROW_RESULT)
         events = orjson.dumps(scan.log).decode()
-        await self.pool.execute(_FINISH, scan.id, status, *result, scan.timings, *error, events)
+        await self.pool.execute(FINISH_SCAN, scan.id, status, *result, scan.timings, *error, events)
 
     async def classify(
         self, image_url: str, user_input: str | None, safety_id: str | None
@@ -355,11 +389,11 @@ class LeanFloor:
         middle = c.middle if c.major in self.taxonomy.recyclable else None
         found: tuple[asyncpg.Record, str] | None = None
         async with self.pool.acquire() as conn:
-            if (row := await conn.fetchrow(_EXACT, c.major, middle)) is not None:
+            if (row := await conn.fetchrow(RULE_BY_KEY, c.major, middle)) is not None:
                 found = row, "exact"
-            elif c.minor and (row := await conn.fetchrow(_BY_MINOR, c.minor, c.major)) is not None:
+            elif c.minor and (row := await conn.fetchrow(RULE_BY_MINOR, c.minor, c.major)) is not None:
                 found = row, "minor"
-            elif middle is not None and (row := await conn.fetchrow(_EXACT, c.major, None)) is not None:
+            elif middle is not None and (row := await conn.fetchrow(RULE_BY_KEY, c.major, None)) is not None:
                 found = row, "major"
         if found is None:
             where = f"{c.major} > {c.middle}" if c.middle else c.major
@@ -369,7 +403,7 @@ class LeanFloor:
             row, matched_by = found
             document, matched_key = row["document"], {"major": row["major"], "middle": row["middle"]}
             sent = {**document, "matched_by": matched_by, "key": matched_key}
-            rule = (sent, None, answer_stage._condensed(document))
+            rule = (sent, None, {k: document[k] for k in PROMPT_RULE_PARTS if k in document})
         self.rules[key] = rule
         return rule
 

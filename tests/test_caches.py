@@ -25,6 +25,7 @@ from app.runtime.metrics import Metrics
 from app.scans.events import ScanDone
 from app.sim.server import RunningSimulator
 from app.stages.context import AcceptedScan
+from app.stages.order import stage_names
 from app.upstream.reply_cache import CacheLimits, ReplyCache
 
 from .conftest import (
@@ -93,7 +94,7 @@ async def test_the_same_photo_twice_is_classified_and_answered_once(
     assert lookups(service, "answer") == {"hit": 1, "miss": 1, "coalesced": 0}
     # The client cannot tell: the same events, the same results, the answer still as deltas.
     assert shape(first) == shape(second)
-    for step in ("vision", "rule", "answer"):
+    for step in stage_names():
         assert without_run_details(first.stage(step, "completed")) == without_run_details(
             second.stage(step, "completed")
         )

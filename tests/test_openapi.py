@@ -55,6 +55,7 @@ from app.http.openapi.errors import (
 from app.http.openapi.requests import EXAMPLE_DATA_URL
 from app.main import create_app
 from app.settings import Settings
+from app.stages.order import stage_names
 
 from .conftest import SCAN_URL, Service, data_url, make_jpeg, run_scan
 
@@ -186,7 +187,7 @@ async def test_scan_stream_response(service: Service) -> None:
     stages = [resolve(document, ref) for ref in by_event["stage"]["contentSchema"]["oneOf"]]
     assert {s["properties"]["status"]["const"] for s in stages} == {"started", "completed"}
     completed = {s["properties"]["step"].get("const"): s for s in stages if "duration_ms" in s["properties"]}
-    assert set(completed) == {"vision", "rule", "answer", "reward"}
+    assert set(completed) == set(stage_names())
     assert {"classification", "item_name", "situation_tags"} <= set(completed["vision"]["required"])
     assert {"disposal_rules", "reason"} <= set(completed["rule"]["required"])
 

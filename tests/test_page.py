@@ -17,11 +17,12 @@ from playwright.async_api import Page, async_playwright
 
 from app.http.page import package_version
 from app.sim.server import RunningSimulator
+from app.stages.order import stage_names
 from tests.conftest import Service, make_jpeg, sim_configure
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_SCREENSHOT = ROOT / "docs" / "page.png"
-STEPS = ("vision", "rule", "answer", "reward")
+STEPS = stage_names()
 
 
 async def test_index_is_html_with_an_etag_and_revalidates(service: Service) -> None:

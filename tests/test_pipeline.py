@@ -30,10 +30,11 @@ from app.scans.runner import progress_spans
 from app.scans.store import StoredScan
 from app.sim.server import RunningSimulator
 from app.stages.context import AcceptedScan
+from app.stages.order import stage_names
 
 from .conftest import data_url, make_jpeg, scan_row, settings_for, sim_configure
 
-STAGES = ["vision", "rule", "answer", "reward"]
+STAGES = stage_names()
 
 
 @pytest.fixture
@@ -153,6 +154,11 @@ def test_finished_scans_expire_in_the_order_they_ended_without_timers() -> None:
     assert kept.get(first.id) is None and kept.get(second.id) is second and len(kept) == 1
     now[0] = 190.0
     assert kept.get(second.id) is None and len(kept) == 0
+
+
+def test_the_stage_list_is_the_products_four_stages_in_order() -> None:
+    # The one place the list is written out: everything else reads app/stages/order.py.
+    assert stage_names() == ["vision", "rule", "answer", "reward"]
 
 
 def test_progress_spans_and_owed_calls_come_from_the_stage_list(resources: Resources) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncpg
 
 from app.sim.server import RunningSimulator
+from app.stages.order import stage_names
 
 from .conftest import Event, Service, data_url, make_jpeg, run_scan, scan_row, sim_stats
 
-STAGES = ("vision", "rule", "answer", "reward")
+STAGES = tuple(stage_names())
 
 
 def assert_well_formed(outcome_events: list[Event]) -> None:
@@ -49,7 +50,7 @@ async def test_json_scan_streams_all_stages_in_order(service: Service, db: async
         assert step in streamed
     assert set(done.data["classification"]) == {"major", "middle", "minor"}
     timings = done.data["timings"]
-    for key in ("vision_ms", "rule_ms", "answer_ms", "reward_ms", "total_ms"):
+    for key in (*(f"{stage}_ms" for stage in STAGES), "total_ms"):
         assert timings[key] >= 0
     assert timings["total_ms"] >= timings["vision_ms"] + timings["answer_ms"]
     for stage in STAGES:
@@ -143,7 +144,7 @@ async def test_metrics_endpoint_reports_scans(service: Service) -> None:
     for stage, limit in (("vision", "budget"), ("answer", "semaphore")):
         labels = {"stage": stage, "limit": limit}
         assert service.metric("ecoscan_stage_queue_seconds_count", labels) == 1, labels
-    for stage in ("prepare", "vision", "rule", "answer", "reward"):
+    for stage in ("prepare", *STAGES):
         assert service.metric("ecoscan_stage_service_seconds_count", {"stage": stage}) == 1, stage
     assert (
         'ecoscan_upstream_calls_total{endpoint="chat.completions",model="gpt-4o-mini",status="2xx"} 2.0'

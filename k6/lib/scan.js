@@ -18,6 +18,10 @@
 //   THINK            seconds to sleep after each completed scan (default 0)
 //   USER_PREFIX      X-User-ID prefix (default "vu-"; each VU is its own user)
 //   SUMMARY_JSON     write the raw end-of-test summary as JSON to this path
+//   STAGE_NAMES      the service's stages, comma-separated: a stage_<name>_ms trend each.
+//                    The Python tools pass app/stages/order.py's list (sweep/k6_run.py,
+//                    stage_env); k6 declares metrics only in the init context, which can
+//                    make no request, so neither the stream nor /openapi.json can say.
 //
 // Memory: open() copies data into every VU, so each VU loads ONE image of the set
 // (rotating over the set by VU number) and pre-builds its request body once. That keeps
@@ -56,13 +60,20 @@ if (!['big', 'small', 'tiny'].includes(IMAGE_SET)) {
 // --- metrics ---------------------------------------------------------------------------
 const sseTtfb = new Trend('sse_ttfb', true);
 const sseTotal = new Trend('sse_total_duration', true);
-const stageTrends = {
-  vision_ms: new Trend('stage_vision_ms', true),
-  rule_ms: new Trend('stage_rule_ms', true),
-  answer_ms: new Trend('stage_answer_ms', true),
-  reward_ms: new Trend('stage_reward_ms', true),
-  prepare_ms: new Trend('stage_prepare_ms', true),
-};
+export const STAGE_NAMES = (__ENV.STAGE_NAMES || '')
+  .split(',')
+  .map((name) => name.trim())
+  .filter((name) => name !== '');
+// Said at the start and in the summary: a run by hand without STAGE_NAMES has no stage trends.
+export const STAGES_NOTE = STAGE_NAMES.length
+  ? ''
+  : 'STAGE_NAMES is not set: no stage_<name>_ms trends (the Python tools set it; by hand: ' +
+    'STAGE_NAMES=$(.venv/bin/python -c \'from app.stages.order import stage_names; ' +
+    'print(",".join(stage_names()))\'))';
+// The `done` event's timings: prepare_ms (before any stage), one per stage, total_ms.
+const stageTrends = { prepare_ms: new Trend('stage_prepare_ms', true) };
+for (const name of STAGE_NAMES) stageTrends[`${name}_ms`] = new Trend(`stage_${name}_ms`, true);
+const TIMING_KEYS = [...Object.keys(stageTrends), 'total_ms'].sort().join(',');
 const scanSuccess = new Rate('scan_success');
 const scanRejected = new Counter('scan_rejected');
 const scanErrors = new Counter('scan_errors');
@@ -292,6 +303,11 @@ export function scanOnce(defaults = {}) {
     'scan answered 200': () => true,
     'stream ended with done': () => ok,
   });
+  if (ok && STAGE_NAMES.length) {
+    // A service whose stages are not STAGE_NAMES would leave trends empty or uncounted.
+    const keys = Object.keys(done.timings || {}).sort().join(',');
+    check(res, { 'done timings are the STAGE_NAMES stages': () => keys === TIMING_KEYS });
+  }
   if (ok && THINK > 0) sleep(THINK);
   return ok ? 'completed' : 'error';
 }
@@ -303,5 +319,6 @@ export function checkReady() {
     throw new Error(`${BASE_URL}/readyz answered ${res.status}: is the service running?`);
   }
   if (IMAGES_NOTE) console.warn(IMAGES_NOTE);
+  if (STAGES_NOTE) console.warn(STAGES_NOTE);
   return { baseUrl: BASE_URL, form: FORM, imageSet: IMAGE_SET };
 }

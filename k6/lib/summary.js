@@ -5,7 +5,7 @@
 // its own compact text summary for stdout and, when SUMMARY_JSON is set, writes k6's
 // raw summary object (plus an `ecoscan` block with the run's settings) to that path.
 
-import { IMAGES_NOTE } from './scan.js';
+import { IMAGES_NOTE, STAGE_NAMES, STAGES_NOTE } from './scan.js';
 
 const ENV_KEYS = [
   'BASE_URL',
@@ -29,10 +29,7 @@ const TREND_ORDER = [
   'sse_ttfb',
   'sse_total_duration',
   'stage_prepare_ms',
-  'stage_vision_ms',
-  'stage_rule_ms',
-  'stage_answer_ms',
-  'stage_reward_ms',
+  ...STAGE_NAMES.map((name) => `stage_${name}_ms`),
   'http_req_duration',
   'http_req_waiting',
   'iteration_duration',
@@ -59,7 +56,7 @@ export function handleSummary(data) {
   for (const key of ENV_KEYS) {
     if (__ENV[key] !== undefined) settings[key] = __ENV[key];
   }
-  data.ecoscan = { settings, imagesNote: IMAGES_NOTE };
+  data.ecoscan = { settings, imagesNote: IMAGES_NOTE, stagesNote: STAGES_NOTE };
   const out = { stdout: textSummary(data) };
   if (__ENV.SUMMARY_JSON) out[__ENV.SUMMARY_JSON] = JSON.stringify(data, null, 1);
   return out;
@@ -166,6 +163,7 @@ export function textSummary(data) {
   const lines = ['', `  ecoscan k6 summary: ${seconds.toFixed(1)}s against ${s.BASE_URL || '(default)'}`];
   if (shown) lines.push(`  ${shown}`);
   if (data.ecoscan && data.ecoscan.imagesNote) lines.push(`  ${data.ecoscan.imagesNote}`);
+  if (data.ecoscan && data.ecoscan.stagesNote) lines.push(`  ${data.ecoscan.stagesNote}`);
   const th = thresholdLines(metrics);
   if (th.length) lines.push('', '  THRESHOLDS', ...th);
   lines.push('', '  LATENCY', ...trendLines(metrics));

@@ -8,11 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.stages.order import stage_names
+
 from .grid import Point
 from .processes import K6_DIR, start, stop
 
 SCRIPTS = {"closed": "closed.js", "arrival": "arrival.js", "scan": "scan.js"}
-STAGES = ("prepare", "vision", "rule", "answer", "reward")
+# The `done` event's timings a point keeps, besides the total: `prepare` (before any
+# stage), then each stage's, in the product's order.
+TIMED = ("prepare", *stage_names())
 K6_GRACE_S = 30  # the scripts' default GRACEFUL: in-flight scans get this long at the end
 
 
@@ -36,6 +40,13 @@ def k6_env(
     return env
 
 
+def stage_env() -> dict[str, str]:
+    """`STAGE_NAMES` for k6/lib/scan.js, which makes a `stage_<name>_ms` trend of each. k6
+    lets a script declare metrics only in its init context, which can make no request
+    (and sees no stream yet), so the names come in with the environment."""
+    return {"STAGE_NAMES": ",".join(stage_names())}
+
+
 def run_k6(
     k6: str,
     script: str,
@@ -50,7 +61,7 @@ def run_k6(
     `on_start` gets k6's pid, e.g. to sample its CPU."""
     # --address "": no REST API server on :6565, so parallel k6 runs do not collide.
     argv = [k6, "run", "--quiet", "--no-color", "--address", "", *extra, str(K6_DIR / script)]
-    proc = start("k6", argv, env, log_path)
+    proc = start("k6", argv, {**env, **stage_env()}, log_path)
     if on_start is not None:
         on_start(proc.popen.pid)
     try:
@@ -94,7 +105,7 @@ def k6_digest(summary: dict[str, Any]) -> dict[str, Any]:
         ),
     }
     trends = [("ttfb", "sse_ttfb"), ("total", "sse_total_duration")]
-    trends += [(stage, f"stage_{stage}_ms") for stage in STAGES]
+    trends += [(name, f"stage_{name}_ms") for name in TIMED]
     for prefix, name in trends:
         v = values(name)
         for stat, key in (("avg", "avg"), ("p95", "p(95)"), ("max", "max")):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .grid import Point, short
-from .k6_run import STAGES
+from .k6_run import TIMED
 
 Rows = list[tuple[Point, dict[str, Any]]]
 METRIC_COLUMNS = (
@@ -61,7 +61,7 @@ def csv_row(point: Point, result: dict[str, Any]) -> dict[str, Any]:
         row[key] = k6.get(key)
     for key in ("ttfb_avg", "ttfb_p95", "total_avg", "total_p95", "total_max"):
         row[key + "_ms"] = k6.get(key)
-    for stage in STAGES:
+    for stage in TIMED:
         for stat in ("avg", "p95", "max"):
             row[f"{stage}_{stat}_ms"] = k6.get(f"{stage}_{stat}")
     resources = result.get("resources", {})
@@ -97,7 +97,7 @@ def table_cells(point: Point, result: dict[str, Any]) -> list[str]:
     k6, res = result["k6"], result["resources"]["service"]
     fail = "-" if k6["failure_rate"] is None else f"{k6['failure_rate'] * 100:.1f}"
     cells = [str(point.level)]
-    cells += [triple(k6, stage) for stage in (*STAGES, "total")]
+    cells += [triple(k6, name) for name in (*TIMED, "total")]
     cells += [fail, f"{k6['rejected']:.0f}", f"{k6['throughput']:.2f}"]
     per_scan = res.get("cpu_s", 0.0) * 1000 / k6["completed"] if k6.get("completed") else None
     cells += [f"{res['cpu_avg']:.0f}% / {res['cpu_max']:.0f}%"]
@@ -116,7 +116,7 @@ def write_table(path: Path, rows: Rows, title: str) -> None:
             "event's timings); CPU is % of one core (service process tree)."
         )
     level_header = "rate/s" if rows and rows[0][0].level_name == "rate" else "VUs"
-    header = [level_header, "prepare", "vision", "rule", "answer", "reward", "total", "fail %", "rejected"]
+    header = [level_header, *TIMED, "total", "fail %", "rejected"]
     header += ["scans/s", "CPU avg / max", "CPU ms / scan", "RSS max"]
     for label, group in itertools.groupby(rows, key=lambda r: r[0].label):
         lines += ["", f"## {label}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
