@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from app.errors import CpuLaneSaturated
 
 # How long a decode may wait for budget (others' big decodes) before its request is
-# refused with 503 CPU_SATURATED; a 40 Mpx decode takes about a second.
+# refused with 503 CPU_SATURATED: many of the largest decodes' time, so that a backlog,
+# not one big image ahead, is what makes a request give up.
 DECODE_WAIT_TIMEOUT_S = 10.0
 
 

@@ -3,9 +3,9 @@ upright, flattened to RGB, re-encoded.
 
 After decoding nothing full-size is made again: the image is flattened to RGB and
 box-reduced tile by tile (512 px squares), and EXIF orientation is applied to the small
-result. The old path (exif_transpose copy, RGBA copy, white canvas, alpha mask) held
-three to four full-size copies at once besides the decoded image. `working_bytes` is what
-these steps hold, for the decode budget.
+result. Pillow's straightforward path (an `exif_transpose` copy, an RGBA copy, a white
+canvas, an alpha mask) would hold three to four full-size copies at once besides the
+decoded image. `working_bytes` is what these steps hold, for the decode budget.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def reencoded(
     target = _fit(size, limits.long_side)
     if small.size != target:
         # After the integer reduce the remaining factor is < 2, where bilinear looks as
-        # good as bicubic for a downscale and costs ~35% less. `content` leaves out the part
-        # of the last row and column that reduce() padded.
+        # good as bicubic for a downscale and its kernel is half as wide (half the source
+        # pixels per output pixel, each way). `content` leaves out the part of the last row
+        # and column that reduce() padded.
         small = small.resize(target, Image.Resampling.BILINEAR, box=content)
     method = _TRANSPOSE.get(orientation)
     if method is not None:

@@ -8,8 +8,9 @@ import re
 from typing import NamedTuple
 
 # More scans than this and a JPEG is refused: a progressive decoder passes over every
-# coefficient once per scan, and a few bytes make a scan (10 MB: hours of a thread).
-# Encoders write ~10 (libjpeg's progressive script), a few dozen at most.
+# coefficient once per scan, and a few bytes make a scan, so the decode's time grows with
+# the scan count, not with the file's size. Encoders write ~10 (libjpeg's progressive
+# script), a few dozen at most.
 MAX_JPEG_SCANS = 100
 _SOS_MARKER = b"\xff\xda"  # in entropy-coded data a 0xFF is always followed by 0x00 or a RST
 

@@ -4,11 +4,11 @@ glibc serves allocations from 128 KiB up with mmap and unmaps them on free, but 
 sees such a chunk freed it raises that threshold to the chunk's size (up to 32 MiB) and
 the trim threshold to twice that. After the first big image, Pillow's 16 MiB blocks and
 multi-megabyte request bodies come from the heaps instead, and up to 64 MiB per arena
-(one per thread that allocated) stays with the process when they are freed: 2 workers
-sat at +540 MiB idle after a burst of big PNGs. Pinning the threshold turns that
+(one per thread that allocated) stays with the process when they are freed: after a
+burst of big images, the idle process keeps it. Pinning the threshold turns that
 adaptation off: blocks of 1 MiB and more are unmapped on free, and the heaps are trimmed
-above 128 KiB again (+10 MiB idle after the same burst; `malloc_trim(0)` after each big
-decode on top of it changed nothing measurable, so there is none).
+above 128 KiB again. There is no `malloc_trim(0)` after big decodes: with the threshold
+pinned, their blocks never reach the heaps it trims.
 """
 
 from __future__ import annotations
