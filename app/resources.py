@@ -27,7 +27,7 @@ from app.db.embedded import EmbeddedPostgres
 from app.db.migrations import apply_migrations, bundled_migrations
 from app.db.pool import create_pool, tagged_dsn
 from app.db.taxonomy import Taxonomy, load_taxonomy
-from app.images.prepare import ImageLimits
+from app.images.limits import ImageLimits
 from app.intake.acceptance import ScanAcceptance
 from app.intake.body_reader import BodyBudget, BodyReader
 from app.intake.identity import Authenticator

@@ -24,7 +24,8 @@ import make_images
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.images.prepare import ImageLimits, prepare_image  # noqa: E402
+from app.images.limits import ImageLimits  # noqa: E402
+from app.images.prepare import prepare_image  # noqa: E402
 
 LIMITS = ImageLimits(max_bytes=10_000_000, max_pixels=40_000_000, long_side=768, jpeg_quality=85)
 

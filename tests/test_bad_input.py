@@ -19,7 +19,7 @@ from python_multipart.multipart import MultipartParser
 from starlette.datastructures import Headers
 
 from app.errors import ContentEncodingUnsupported, EcoscanError
-from app.images.prepare import ImageLimits
+from app.images.limits import ImageLimits
 from app.intake import parsing as scan_input
 from app.intake.parsing import (
     MAX_JSON_DEPTH,

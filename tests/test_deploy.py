@@ -39,7 +39,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.http.protocol import HttpToolsProtocol
-from app.images.prepare import ImageLimits
+from app.images.limits import ImageLimits
 from app.intake.parsing import InputLimits
 from app.main import create_app
 from app.runtime.metrics import Metrics

@@ -16,17 +16,12 @@ import pytest
 from PIL import Image, ImageDraw, ImageFile
 
 from app.errors import CpuLaneSaturated, ImageInvalid, ImageTooLarge, ImageTooManyPixels, ImageTypeUnsupported
-from app.images import prepare as images
-from app.images.prepare import (
-    DecodeBudget,
-    ImageLimits,
-    _jpeg_is_multiscan,
-    decode_budget,
-    decode_data_url,
-    decode_plan,
-    prepare_image,
-    sniff_mime,
-)
+from app.images.budget import DecodeBudget, decode_budget
+from app.images.data_url import decode_data_url
+from app.images.jpeg_markers import MAX_JPEG_SCANS, jfif_walk, jpeg_is_multiscan, scan_head
+from app.images.limits import ImageLimits
+from app.images.prepare import NotInline, decode_plan, prepare_image
+from app.images.sniff import sniff_mime
 
 from .conftest import Service, data_url, make_jpeg, run_scan
 
@@ -162,14 +157,14 @@ HIDDEN = [
 @pytest.mark.parametrize("hide", HIDDEN)
 def test_anything_but_a_bare_jfif_image_is_not_sent_as_it_came(hide: Callable[[bytes], bytes]) -> None:
     raw = make_jpeg(5, (320, 240))
-    assert images._jfif_walk(raw).scans > 0
-    assert images._jfif_walk(hide(raw)).scans == 0
+    assert jfif_walk(raw).scans > 0
+    assert jfif_walk(hide(raw)).scans == 0
 
 
 def test_a_progressive_jfif_is_bare_too() -> None:
     out = io.BytesIO()
     Image.open(io.BytesIO(make_jpeg(6, (320, 240)))).save(out, "JPEG", quality=85, progressive=True)
-    assert images._jfif_walk(out.getvalue()).scans > 0
+    assert jfif_walk(out.getvalue()).scans > 0
 
 
 def _cmyk(raw: bytes) -> bytes:
@@ -418,8 +413,8 @@ def test_a_baseline_jpeg_with_one_scan_per_component_is_multiscan() -> None:
     sof = b"\xff\xc0\x00\x11\x08\x00\x10\x00\x10\x03" + b"\x01\x22\x00\x02\x11\x01\x03\x11\x01"
     interleaved = b"\xff\xda\x00\x0c\x03\x01\x00\x02\x11\x03\x11\x00\x3f\x00"
     one_component = b"\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00"
-    assert not _jpeg_is_multiscan(b"\xff\xd8" + sof + interleaved)
-    assert _jpeg_is_multiscan(b"\xff\xd8" + sof + one_component)
+    assert not jpeg_is_multiscan(b"\xff\xd8" + sof + interleaved)
+    assert jpeg_is_multiscan(b"\xff\xd8" + sof + one_component)
 
 
 def test_webp_counts_libwebps_buffers() -> None:
@@ -548,7 +543,7 @@ def test_the_budget_refuses_what_can_never_fit() -> None:
 
 def test_a_decode_waits_for_the_budget_only_so_long(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every wait is bounded: past DECODE_WAIT_TIMEOUT_S the request is refused (503)."""
-    monkeypatch.setattr(images, "DECODE_WAIT_TIMEOUT_S", 0.05)
+    monkeypatch.setattr("app.images.budget.DECODE_WAIT_TIMEOUT_S", 0.05)
     budget = DecodeBudget(10)
     with budget.hold(6):
         with pytest.raises(CpuLaneSaturated), budget.hold(6):
@@ -617,14 +612,14 @@ def _many_scans(extra_scans: int, side: int = 768) -> bytes:
 def test_a_jpeg_of_many_scans_is_refused_before_decoding_and_never_prepared_inline() -> None:
     few = _many_scans(20)  # decodes (a valid file), in the lane: progressive
     assert prepare_image(few, LIMITS).width == 768
-    with pytest.raises(images.NotInline):
+    with pytest.raises(NotInline):
         prepare_image(few, LIMITS, inline=True)
-    many = _many_scans(images.MAX_JPEG_SCANS)
+    many = _many_scans(MAX_JPEG_SCANS)
     assert len(many) < 64 * 1024
     for inline in (False, True):
-        with pytest.raises((ImageInvalid, images.NotInline)) as refused:
+        with pytest.raises((ImageInvalid, NotInline)) as refused:
             prepare_image(many, LIMITS, inline=inline)
-        assert refused.type is (images.NotInline if inline else ImageInvalid)
+        assert refused.type is (NotInline if inline else ImageInvalid)
 
 
 def _whole_decode_verdict(raw: bytes) -> str:
@@ -644,7 +639,7 @@ def _verdict(raw: bytes, *, inline: bool) -> str:
         prepare_image(raw, LIMITS, inline=inline)
     except ImageInvalid:
         return "invalid"
-    except images.NotInline:
+    except NotInline:
         return "lane"
     return "ok"
 
@@ -670,7 +665,7 @@ def test_the_check_of_the_scans_head_refuses_what_a_whole_decode_refuses() -> No
     the scan header, or garble the scan itself, and both say what decoding every
     coefficient says, for every corrupted file (fixed seed)."""
     raw = make_jpeg(9, (320, 240))
-    assert images._jfif_walk(raw).scans == 1 and _inline_verdict(raw) == "ok"
+    assert jfif_walk(raw).scans == 1 and _inline_verdict(raw) == "ok"
     segments = _segments(raw)
     scan_start = segments[-1][2]
     rng = random.Random(14)
@@ -700,8 +695,8 @@ def test_a_jpeg_with_a_segment_after_its_scan_is_checked_whole_in_the_lane() -> 
     good_table = raw[:-2] + b"\xff\xdb\x00\x43\x01" + bytes(range(1, 65)) + b"\xff\xd9"  # DQT 1
     bad_table = raw[:-2] + b"\xff\xdb\x00\x43\x07" + bytes(64) + b"\xff\xd9"  # DQT id 7: no such table
     for trailing in (good_table, bad_table):
-        assert images._jfif_walk(trailing).scans > 0
-        with pytest.raises(images.NotInline):
+        assert jfif_walk(trailing).scans > 0
+        with pytest.raises(NotInline):
             prepare_image(trailing, LIMITS, inline=True)
     assert prepare_image(good_table, LIMITS).width == 320
     with pytest.raises(ImageInvalid):
@@ -713,7 +708,7 @@ def test_an_inline_jpeg_over_the_decode_budget_is_left_to_the_lane() -> None:
     image (413) whatever the body's size: the inline path does not take it."""
     tight = dataclasses.replace(LIMITS, decode_budget_bytes=64 * 1024)
     raw = make_jpeg(9, (320, 240))
-    with pytest.raises(images.NotInline):
+    with pytest.raises(NotInline):
         prepare_image(raw, tight, inline=True)
     with pytest.raises(ImageTooManyPixels):
         prepare_image(raw, tight)
@@ -747,10 +742,10 @@ def test_a_progressive_jpeg_is_checked_whole_even_with_one_scan() -> None:
     a progressive JPEG sent as it came decodes whole, whatever its scans."""
     large = dataclasses.replace(LIMITS, long_side=2056)  # 257 x 257 blocks: past 65,538
     refused = _dc_climbing_jpeg(0xC2, 2056)
-    walked = images._jfif_walk(refused)
-    assert walked.scans == 1 and images._scan_head(refused, walked) is None
+    walked = jfif_walk(refused)
+    assert walked.scans == 1 and scan_head(refused, walked) is None
     with pytest.raises(ImageInvalid):
         prepare_image(refused, large)
     sequential = _dc_climbing_jpeg(0xC0, 2056)  # the same blocks, sequential: checked from its head
-    assert images._scan_head(sequential, images._jfif_walk(sequential)) is not None
+    assert scan_head(sequential, jfif_walk(sequential)) is not None
     assert prepare_image(sequential, large).width == 2056

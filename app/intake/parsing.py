@@ -36,7 +36,9 @@ from app.errors import (
     RequestRejected,
     UserInputTooLong,
 )
-from app.images.prepare import ImageLimits, decode_data_url, prepare_image
+from app.images.data_url import decode_data_url
+from app.images.limits import ImageLimits
+from app.images.prepare import prepare_image
 from app.intake.image_url import check_image_url, describe_char
 from app.stages.context import ScanInput
 

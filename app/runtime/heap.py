@@ -1,15 +1,14 @@
 """The garbage collector, set for a server whose start-up heap lives as long as it does.
 
 CPython's cyclic collector walks the objects of a generation each time it collects it.
-With its defaults, under load (k6/cpu_per_scan.py), it cost ecoscan ~0.5 ms of CPU per
-scan (timed by a gc callback), about a tenth of the whole:
+With its defaults, a server like this one pays for walks that find nothing (what that
+costs under load: README's cost per scan, k6/cpu_per_scan.py):
 
-- every full collection walked the ~170,000 objects of the imports, the OpenAPI schema,
-  the SDK's types and the app itself, which never become garbage (~130 ms each, every
-  few seconds);
-- a young generation of 700 allocations is a few milliseconds of traffic, so the objects
-  of every scan in flight (each lives ~2 s) were walked in generation 0, again in 1, and
-  promoted to 2 to be walked by full collections until they died.
+- every full collection walks the objects of the imports, the OpenAPI schema, the SDK's
+  types and the app itself, which never become garbage;
+- a young generation of 700 allocations fills many times over while one scan runs, so
+  the objects of every scan in flight are walked in generation 0, again in 1, and
+  promoted to 2 to be walked by full collections until they die.
 
 `tuned_heap` therefore, once the app is up:
 
@@ -23,9 +22,9 @@ scan (timed by a gc callback), about a tenth of the whole:
   is freed within that time, however slowly the allocation count moves (start-up
   objects excepted: frozen, a cycle among them is never freed).
 
-A full collection walks every live object: under load it pauses the loop ~0.1 s once a
-minute, where Python's own settings paused it for longer several times a minute. On exit
-the interpreter's settings come back.
+A full collection still pauses the loop while it walks every live object that is not
+frozen, but on a timer, not whenever promotions add up, and without the start-up heap.
+On exit the interpreter's settings come back.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ class _Tuning:
         self._handle = self._loop.call_later(every_s, self._collect)
 
     def _collect(self) -> None:
-        gc.collect()  # pauses the loop: ~0.1 s under k6/cpu_per_scan.py's load on a 2-core box
+        gc.collect()  # pauses the loop for as long as it walks what is not frozen
         self._handle = self._loop.call_later(self._every_s, self._collect)
 
     def undo(self) -> None:

@@ -112,7 +112,7 @@ class EventLog:
     entries: list[LogEntry] = field(default_factory=list)
     progress: int = 0
     # Readers waiting for the next append: a future each, made only when one waits (an
-    # asyncio.Event per append cost an allocation and a loop lookup on every event).
+    # asyncio.Event per append would cost an allocation and a loop lookup on every event).
     _waiting: list[asyncio.Future[None]] = field(default_factory=list)
 
     @property
