@@ -75,7 +75,7 @@ FLOOR_STAGES = ("vision", "rule", "answer", "reward")  # what `LeanFloor.run` do
 # Each stage's progress at start and end, split by the stage list's shares (progress_spans
 # reads each class's name and share only). Deltas climb by one, below the answer's end;
 # done is 100.
-SPANS = progress_spans(list(STAGES))  # type: ignore[arg-type]
+SPANS = progress_spans(STAGES)
 DELTA_CEILING = SPANS["answer"].completed - 1
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store")]
 
