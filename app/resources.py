@@ -56,7 +56,8 @@ from app.stages.reward import RewardStage
 from app.stages.rule import RuleBook
 from app.stages.vision import VisionStage
 from app.streaming.access import ScanAccess
-from app.upstream.client import ChatEndpoint, Upstream
+from app.upstream.client import Upstream
+from app.upstream.endpoint import ChatEndpoint
 from app.upstream.reply_cache import CacheLimits, ReplyCache
 
 log = logging.getLogger("app")

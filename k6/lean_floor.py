@@ -60,7 +60,7 @@ from app.stages import answer as answer_stage
 from app.stages import vision as vision_stage
 from app.stages.reward import _RECORD
 from app.stages.rule import _BY_MINOR, _EXACT
-from app.upstream.client import safety_identifier
+from app.upstream.call import safety_identifier
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

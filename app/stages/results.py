@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.db.taxonomy import Classification
-from app.upstream.client import ChatResult
+from app.upstream.call import ChatResult
 
 
 @dataclass(frozen=True)
