@@ -26,7 +26,6 @@ from app.runtime.heap import tuned_heap
 from app.runtime.metrics import Metrics
 from app.scans.drain import SignalRouter
 from app.settings import Settings
-from app.streaming.responses import take_over_shutdown
 
 log = logging.getLogger("app")
 
@@ -38,7 +37,6 @@ def create_app(settings: Settings | None = None, *, metrics: Metrics | None = No
     async def lifespan(_app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         _configure_logging(settings.log_level)
         async with lifespan_resources(settings, metrics) as resources:
-            take_over_shutdown()
             signals = SignalRouter(resources.drain, asyncio.get_running_loop())
             if signals.install():
                 log.info("SIGTERM/SIGINT drain in-flight scans for up to %.0f s", settings.shutdown_drain_s)
