@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-import httpx
-import openai
 
 from app.db.characters import Collections
 from app.db.embedded import EmbeddedPostgres
@@ -113,7 +111,7 @@ async def lifespan_resources(settings: Settings, metrics: Metrics | None = None)
         taxonomy, characters = await _catalogue(pool)
         rules = await _rule_book(settings, pool, taxonomy, dsn, stack)
         metrics.rules_listener_up.set_function(_reader(rules, "listening"))
-        chat, base_url, simulator = await _openai_client(settings, stack)
+        chat, base_url, simulator = await _chat_endpoint(settings, stack)
         redis = await _redis_link(settings, stack)
         upstream = _upstream(settings, chat, metrics, clock, _budgets(settings, redis, metrics, clock, stack))
         vision = VisionStage(
@@ -246,26 +244,17 @@ async def _rule_book(
     return rules
 
 
-async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[ChatEndpoint, str, Any]:
+async def _chat_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple[ChatEndpoint, str, Any]:
+    """OpenAI's endpoint (or the simulator's) and its connection pool. The one retry loop
+    is `Upstream`'s: nothing below it retries a call."""
     base_url, api_key, simulator = await _upstream_endpoint(settings, stack)
-    timeout = httpx.Timeout(
-        connect=settings.openai_connect_timeout_s,
-        read=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
-        write=settings.openai_connect_timeout_s,
-        pool=settings.openai_connect_timeout_s,
-    )
-    # The SDK's client says how to talk to OpenAI (URL, headers, key, timeouts);
-    # ChatEndpoint sends that over aiohttp: with h11, httpx's default parser, parsing
-    # streamed chunks in pure Python was ~25% of the event loop.
-    client = openai.AsyncOpenAI(
-        api_key=api_key,
-        base_url=base_url,
-        max_retries=0,  # our retry loop owns retries; the SDK's would bypass the budget
-        timeout=timeout,
-    )
-    await client.close()  # its own httpx client is never used
     chat = ChatEndpoint.open(
-        client, max_connections=UPSTREAM_MAX_CONNECTIONS, keepalive_s=UPSTREAM_KEEPALIVE_S
+        base_url,
+        api_key,
+        connect_timeout_s=settings.openai_connect_timeout_s,
+        read_timeout_s=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
+        max_connections=UPSTREAM_MAX_CONNECTIONS,
+        keepalive_s=UPSTREAM_KEEPALIVE_S,
     )
     stack.push_async_callback(_bounded_close, "OpenAI connections", chat.aclose)
     return chat, base_url, simulator

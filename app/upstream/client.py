@@ -8,8 +8,8 @@ still queued behind the gate. After every answer, 2xx or not, the `x-ratelimit-*
 headers correct the budget; a 429 pauses the whole budget for `retry-after` so the
 other waiters do not hammer the upstream in the meantime.
 
-The SDK's client is configured with `max_retries=0` (its retries would bypass the
-budget); `ChatEndpoint` sends what it would send (URL, headers, key, timeouts) over aiohttp.
+`_with_retries` is the only retry loop: `ChatEndpoint` (app/upstream/endpoint.py) sends
+each attempt once, so no retry below it bypasses the budget.
 """
 
 from __future__ import annotations

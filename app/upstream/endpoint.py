@@ -6,24 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import urllib.request
 from dataclasses import dataclass
 
 import aiohttp
-import httpx
-import openai
 import yarl
+
+# Who calls: an OpenAI-compatible server sees this, not the SDK's platform headers.
+USER_AGENT = "ecoscan"
 
 
 @dataclass(frozen=True)
 class ChatEndpoint:
-    """POST /chat/completions as the SDK's client would send it: its base URL, its headers
-    (API key, User-Agent, X-Stainless-* platform headers) and its timeouts, taken from the
-    client once at start-up, sent over aiohttp, the HTTP client under the SDK's own aiohttp
-    option, without the SDK's and httpx's per-request layers in between. Per call only the
-    body is new: those layers (options model, header merges, httpx's request and response
-    models over the aiohttp transport, its exception mapping) cost ~0.8 ms of CPU per scan
-    over this (k6/cpu_per_scan.py; README, cost per scan). Replies are read here as OpenAI
-    documents them (status, headers, JSON `error` object), not through the SDK's classes."""
+    """POST {base URL}/chat/completions over one aiohttp session, the request built here
+    from settings: the URL, `Authorization: Bearer <key>`, a JSON body, the timeouts. Not
+    through the SDK's client: its per-request layers (options model, header merges,
+    httpx's request and response models, exception mapping) cost more CPU per scan than
+    the rest of the call (k6/cpu_side_by_side.py shows it), and retries are ours anyway.
+    Replies are read as OpenAI documents them (status, headers, JSON `error` object; see
+    app/upstream/wire.py), not through the SDK's classes."""
 
     session: aiohttp.ClientSession
     url: str
@@ -34,33 +35,37 @@ class ChatEndpoint:
     read_timeout_s: float | None  # the longest wait for a byte of the reply
 
     @classmethod
-    def open(cls, client: openai.AsyncOpenAI, *, max_connections: int, keepalive_s: float) -> ChatEndpoint:
-        """The endpoint and its connection pool (an aiohttp session: `aclose` it)."""
-        sdk = {**client.default_headers, **client.auth_headers, "X-Stainless-Retry-Count": "0"}
-        timeout = (
-            client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
-        )
+    def open(
+        cls,
+        base_url: str,
+        api_key: str,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_connections: int,
+        keepalive_s: float,
+    ) -> ChatEndpoint:
+        """The endpoint and its connection pool (an aiohttp session: `aclose` it). An empty
+        key sends no `Authorization` (a server that needs none)."""
+        headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_s),
-            headers={k: v for k, v in sdk.items() if isinstance(v, str)},  # not the SDK's Omit
-            # What the SDK's aiohttp transport makes of the client's httpx timeout: `read`
-            # bounds every wait for bytes (past a streamed reply's head, through
-            # `watch_stream`), `pool` the wait for a connection, `connect` the connect
-            # itself. aiohttp has no write timeout.
+            headers=headers,
+            # `sock_read` bounds every wait for bytes (past a streamed reply's head, through
+            # `watch_stream`), `connect` the wait for a pooled connection and the connect,
+            # `sock_connect` the connect itself. aiohttp has no write timeout.
             timeout=aiohttp.ClientTimeout(
-                sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
+                sock_connect=connect_timeout_s, sock_read=read_timeout_s, connect=connect_timeout_s
             ),
         )
-        url = str(client.base_url.join("chat/completions"))
-        try:
-            proxy, proxy_auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(url))
-        except LookupError:
-            proxy, proxy_auth = None, None
-        return cls(session, url, proxy, proxy_auth, timeout.read)
+        url = base_url.rstrip("/") + "/chat/completions"
+        return cls(session, url, *env_proxy(url), read_timeout_s)
 
     async def post(self, body: bytes) -> aiohttp.ClientResponse:
-        """The response as soon as its head is in (redirects followed, as the SDK's client
-        does); the caller reads and releases it."""
+        """The response as soon as its head is in (redirects followed); the caller reads and
+        releases it."""
         return await self.session.post(self.url, data=body, proxy=self.proxy, proxy_auth=self.proxy_auth)
 
     def watch_stream(self, response: aiohttp.ClientResponse) -> StallWatch | None:
@@ -70,9 +75,9 @@ class ChatEndpoint:
         protocol = connection.protocol if connection is not None else None
         if self.read_timeout_s is None or protocol is None:
             return None
-        # aiohttp re-arms its read timer on every chunk it receives (~140 in a streamed
-        # answer: ~0.3 ms of CPU a scan); the setting lasts until the connection's next
-        # request, which sets its own.
+        # aiohttp re-arms its read timer on every chunk it receives, and a streamed answer
+        # is many chunks; the setting lasts until the connection's next request, which
+        # sets its own.
         protocol.read_timeout = None
         return StallWatch(response.content, self.read_timeout_s)
 
@@ -130,3 +135,14 @@ async def until_eof(content: aiohttp.StreamReader, seconds: float) -> None:
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def env_proxy(url: str) -> tuple[yarl.URL | None, aiohttp.BasicAuth | None]:
+    """The proxy HTTP(S)_PROXY names for `url` unless NO_PROXY exempts its host, as urllib
+    reads them; credentials in the proxy's URL become its auth."""
+    target = yarl.URL(url)
+    proxy = urllib.request.getproxies().get(target.scheme)
+    if not proxy or urllib.request.proxy_bypass(target.host or ""):
+        return None, None
+    proxy_url = yarl.URL(proxy)
+    return proxy_url.with_user(None), aiohttp.BasicAuth.from_url(proxy_url)
