@@ -54,7 +54,7 @@ def _configure_logging(level: str) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("app").setLevel(level.upper())
-    # httpx logs every request at INFO: two lines per scan, on the hot path.
+    # httpx logs every request at INFO (the JWKS fetches of AUTH_MODE=jwt).
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 

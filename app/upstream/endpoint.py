@@ -21,8 +21,9 @@ class ChatEndpoint:
     """POST {base URL}/chat/completions over one aiohttp session, the request built here
     from settings: the URL, `Authorization: Bearer <key>`, a JSON body, the timeouts. Not
     through the SDK's client: its per-request layers (options model, header merges,
-    httpx's request and response models, exception mapping) cost more CPU per scan than
-    the rest of the call (k6/cpu_side_by_side.py shows it), and retries are ours anyway.
+    httpx's request and response models, exception mapping) cost a large share of a
+    scan's CPU for nothing we use (k6/cpu_side_by_side.py measures it), and retries are
+    ours anyway.
     Replies are read as OpenAI documents them (status, headers, JSON `error` object; see
     app/upstream/wire.py), not through the SDK's classes."""
 
@@ -120,8 +121,8 @@ class StallWatch:
 
 async def until_eof(content: aiohttp.StreamReader, seconds: float) -> None:
     """A pause of the reader: tokens pile up unread meanwhile, unless the stream ends. A
-    timer and the stream's end race to wake it (no cancellation, no exception: a timeout
-    scope that expires costs several times a timer)."""
+    timer and the stream's end race to wake it: no cancellation and no exception, which
+    a timeout scope that expires would cost on every pause."""
     loop = asyncio.get_running_loop()
     woken = loop.create_future()
     timer = loop.call_later(seconds, _wake, woken)
