@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-import httpx
-import openai
 
 from app.db.characters import Collections
 from app.db.embedded import EmbeddedPostgres
@@ -53,7 +51,8 @@ from app.settings import Settings, SettingsError
 from app.stages.base import BudgetedStage, Stage, StageClass, StageEnv, StageResult
 from app.stages.order import STAGES
 from app.streaming.access import ScanAccess
-from app.upstream.client import ChatEndpoint, Upstream
+from app.upstream.client import Upstream
+from app.upstream.endpoint import ChatEndpoint
 
 log = logging.getLogger("app")
 
@@ -108,7 +107,7 @@ async def lifespan_resources(
         dsn = tagged_dsn(await _database(settings, stack), instance_id)
         pool = await _pool(settings, dsn, stack)
         taxonomy = await _catalogue(pool)
-        chat, base_url, simulator = await _openai_client(settings, stack)
+        chat, base_url, simulator = await _chat_endpoint(settings, stack)
         redis = await _redis_link(settings, stack)
         upstream = _upstream(settings, chat, metrics, clock, _budgets(settings, redis, metrics, clock, stack))
         env = StageEnv(settings, pool, dsn, taxonomy, upstream, metrics, clock, stack)
@@ -209,26 +208,17 @@ async def _catalogue(pool: asyncpg.Pool[asyncpg.Record]) -> Taxonomy:
         return await load_taxonomy(conn)
 
 
-async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[ChatEndpoint, str, Any]:
+async def _chat_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple[ChatEndpoint, str, Any]:
+    """OpenAI's endpoint (or the simulator's) and its connection pool. The one retry loop
+    is `Upstream`'s: nothing below it retries a call."""
     base_url, api_key, simulator = await _upstream_endpoint(settings, stack)
-    timeout = httpx.Timeout(
-        connect=settings.openai_connect_timeout_s,
-        read=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
-        write=settings.openai_connect_timeout_s,
-        pool=settings.openai_connect_timeout_s,
-    )
-    # The SDK's client says how to talk to OpenAI (URL, headers, key, timeouts);
-    # ChatEndpoint sends that over aiohttp: with h11, httpx's default parser, parsing
-    # streamed chunks in pure Python was ~25% of the event loop.
-    client = openai.AsyncOpenAI(
-        api_key=api_key,
-        base_url=base_url,
-        max_retries=0,  # our retry loop owns retries; the SDK's would bypass the budget
-        timeout=timeout,
-    )
-    await client.close()  # its own httpx client is never used
     chat = ChatEndpoint.open(
-        client, max_connections=UPSTREAM_MAX_CONNECTIONS, keepalive_s=UPSTREAM_KEEPALIVE_S
+        base_url,
+        api_key,
+        connect_timeout_s=settings.openai_connect_timeout_s,
+        read_timeout_s=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
+        max_connections=UPSTREAM_MAX_CONNECTIONS,
+        keepalive_s=UPSTREAM_KEEPALIVE_S,
     )
     stack.push_async_callback(_bounded_close, "OpenAI connections", chat.aclose)
     return chat, base_url, simulator

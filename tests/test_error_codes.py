@@ -231,9 +231,8 @@ async def test_an_unexpected_error_before_the_stream_is_a_500_json_and_nothing_r
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A bug in accepting a scan, on the scan route's shortcut past FastAPI's stack
-    (app/main.py, EcoscanApp): the same JSON 500 and count as on any other route, one
-    logged traceback, no row."""
+    """A bug in accepting a scan (app/http/errors.py, JsonErrorRoute): the same JSON 500
+    and count as on any other route, one logged traceback, no row."""
 
     def broken_prepare(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")

@@ -38,7 +38,7 @@ from app.scans.run import ScanRun
 from app.scans.runner import ScanProgress, StageRunner
 from app.scans.store import ScanStore, TerminalRow
 from app.stages.context import AcceptedScan, ScanContext
-from app.upstream.client import safety_identifier
+from app.upstream.call import safety_identifier
 
 log = logging.getLogger(__name__)
 

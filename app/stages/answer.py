@@ -43,7 +43,8 @@ from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext
 from app.stages.rule import DisposalRules, RuleResult
 from app.stages.vision import VisionResult
-from app.upstream.client import ChatCall, ChatResult, Upstream
+from app.upstream.call import ChatCall, ChatResult
+from app.upstream.client import Upstream
 from app.upstream.profiles import CallShape
 from app.upstream.reply_cache import CacheLimits, ReplyCache, request_digest
 from app.upstream.tokens import estimate_chat_tokens, estimate_text_tokens

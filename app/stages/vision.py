@@ -30,7 +30,8 @@ from app.db.taxonomy import Classification, Taxonomy
 from app.errors import UpstreamBadResponse
 from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext, ScanInput
-from app.upstream.client import ChatCall, ChatResult, Upstream
+from app.upstream.call import ChatCall, ChatResult
+from app.upstream.client import Upstream
 from app.upstream.profiles import CallShape
 from app.upstream.reply_cache import CacheLimits, ReplyCache, request_digest
 from app.upstream.tokens import estimate_chat_tokens, estimate_text_tokens
