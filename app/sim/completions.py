@@ -36,6 +36,20 @@ _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
 _COMMON = [(b"openai-organization", ORGANIZATION.encode()), (b"openai-version", b"2020-10-01")]
 
 
+def charged_tokens(request: ChatRequest) -> int:
+    """What the TPM limiter counts for ``request`` at arrival: prompt estimate + completion cap.
+
+    Two readings exist. OpenAI's rate-limit guide says the limit "is calculated as the
+    maximum of max_tokens and the estimated number of tokens based on the character count
+    of your request"; Azure OpenAI's quota guide says the estimate *adds* the prompt text
+    and ``max_tokens`` (and ``best_of``), and field reports on OpenAI's own limiter agree
+    with the sum (an input estimate added to max_tokens). We charge the sum: it is the
+    stricter reading, so a budget that never sees a 429 here never sees one under either.
+    Nothing is given back when the reply is shorter than the cap.
+    """
+    return request.prompt_tokens + (request.cap or DEFAULT_MAX_TOKENS)
+
+
 class ChatCompletions:
     """ASGI endpoint; all behaviour comes from the shared ``SimState``."""
 
@@ -98,9 +112,7 @@ class ChatCompletions:
                 "requests",
             )
             return 429, body, headers + limiter.headers(request.model) + retry_headers(wait_s)
-        # OpenAI: "your rate limit is calculated as the maximum of max_tokens and the
-        # estimated number of tokens based on the character count of your request".
-        cost = max(request.prompt_tokens, request.cap or DEFAULT_MAX_TOKENS)
+        cost = charged_tokens(request)
         denial, limit_headers = limiter.acquire(request.model, cost)
         headers += limit_headers
         if denial is not None:

@@ -17,7 +17,7 @@ class SimStats:
         self.by_status: dict[str, int] = {}
         self.by_kind: dict[str, int] = {"vision": 0, "text": 0}
         self.rate_limited_total = 0
-        self.tokens_charged_total = 0  # against TPM: max(prompt, cap) per admitted request
+        self.tokens_charged_total = 0  # against TPM: prompt + cap per admitted request
         self.quota_rejected_total = 0
         self.errors_injected_total = 0
         self.prompt_tokens = 0
