@@ -192,6 +192,39 @@ class Metrics:
             ["model", "resource"],
             registry=r,
         )
+        # Routing over deployments (app/upstream/routes.py), by deployment name.
+        self.upstream_routed = Counter(
+            "ecoscan_upstream_routed_total",
+            "Attempts sent to each deployment, by stage.",
+            ["upstream", "stage"],
+            registry=r,
+        )
+        self.upstream_state = Gauge(
+            "ecoscan_upstream_state",
+            "Each deployment's breaker: 0 closed, 1 open, 2 half-open (probing), 3 taken out "
+            "(a refused key, a missing deployment or an exhausted quota).",
+            ["upstream"],
+            registry=r,
+        )
+        self.upstream_failovers = Counter(
+            "ecoscan_upstream_failovers_total",
+            "Failed attempts followed at once by one on another deployment, by stage and reason.",
+            ["stage", "reason"],
+            registry=r,
+        )
+        self.upstream_negotiated = Counter(
+            "ecoscan_upstream_negotiated_total",
+            "Optional parameters a deployment refused and is sent without from then on.",
+            ["upstream", "parameter"],
+            registry=r,
+        )
+        self.upstream_restarts = Counter(
+            "ecoscan_upstream_stream_restarts_total",
+            "Streamed calls that failed after their first token and started again "
+            "(the client got a `discard` event), by stage.",
+            ["stage"],
+            registry=r,
+        )
 
     def _declare_budget_and_gate_metrics(self) -> None:
         """The RPM/TPM budget (waits, limits, reservations) and the stage semaphores."""

@@ -402,6 +402,9 @@ function handleEvent(scan, sse) {
   } else if (sse.event === "delta") {
     els.answerCard.hidden = false;
     els.answerText.append(data.text || "");
+  } else if (sse.event === "discard") {
+    // The answer is being written again (its call failed and started over elsewhere).
+    els.answerText.textContent = "";
   } else if (sse.event === "done") {
     scan.terminal = true;
     // The stages are the service's list, written into the page (app/http/page.py).

@@ -1,11 +1,12 @@
-"""One OpenAI call as a stage sees it: what it asks (`ChatCall`), what comes back
-(`ChatResult`), and why an attempt failed (`AttemptFailed`, for the retry loop in
-app/upstream/client.py to weigh)."""
+"""One model call: what a stage wants (`ChatRequest`), how one deployment is asked for it
+(`ChatCall`, made by its route: app/upstream/routes.py), what comes back (`ChatResult`),
+and why an attempt failed (`AttemptFailed`, for the retry loop in app/upstream/client.py
+to weigh)."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,21 +14,34 @@ from app.upstream.profiles import CallShape
 
 
 @dataclass(frozen=True)
-class ChatCall:
+class ChatRequest:
+    """What a stage asks, whoever serves it: the model, its parameters, the token estimate
+    and the image billing are the serving deployment's (`Route.shaped`)."""
+
     stage: str
-    shape: CallShape  # model, token cap, reasoning effort: fixed per stage at start-up
+    messages: list[dict[str, Any]]
+    response_format: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    image_sizes: Mapping[str, tuple[int, int]] | None = None  # image URL -> (width, height)
+    extra_prompt_tokens: int = 0  # what the prompt counts beyond the messages (the schema)
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """A request as one deployment is asked for it."""
+
+    stage: str
+    shape: CallShape  # this deployment's model, token cap, reasoning effort
     messages: list[dict[str, Any]]
     prompt_estimate: int
     response_format: dict[str, Any] | None = None
     safety_identifier: str | None = None
+    upstream: str = ""  # the deployment's name
+    reservation_tokens: int = 0  # what its provider's limiter counts at arrival
 
     @property
     def model(self) -> str:
         return self.shape.model
-
-    @property
-    def reservation_tokens(self) -> int:
-        return self.prompt_estimate + self.shape.completion_cap
 
 
 @dataclass
@@ -42,10 +56,15 @@ class ChatResult:
     attempts: int = 0
     queue_s: float = 0.0  # waiting for the stage gate and the budget, all attempts
     service_s: float = 0.0  # talking to the upstream, all attempts
+    upstream: str | None = None  # the deployment that served it
 
 
 # A reply's usage: prompt, completion (reasoning included), reasoning, cached tokens.
 Usage = tuple[int, int, int, int]
+
+# Called when a call that had streamed text starts again (elsewhere): the consumer drops
+# what it showed of the failed attempt.
+OnRestart = Callable[[], Awaitable[None]]
 
 # Called with everything this attempt has received so far (a retry starts again from an
 # empty text, so the consumer can tell a fresh attempt from a continuation); returns how

@@ -1,15 +1,18 @@
-"""Every OpenAI call goes through `Upstream`: stage gate -> rate budget -> call ->
-reconcile, inside the one retry loop.
+"""Every model call goes through `Upstream`: route -> stage gate -> the route's budget ->
+call -> reconcile, inside the one retry loop.
 
-Order matters. The stage gate comes first so a call waiting for budget counts
-against its stage's concurrency (the gate bounds calls in progress, waiting or
-not), and the budget is reserved last so tokens are never held by a call that is
-still queued behind the gate. After every answer, 2xx or not, the `x-ratelimit-*`
-headers correct the budget; a 429 pauses the whole budget for `retry-after` so the
-other waiters do not hammer the upstream in the meantime.
+Order matters. The stage gate comes first so a call waiting for budget counts against
+its stage's concurrency (the gate bounds calls in progress, waiting or not), and the
+budget is reserved last so tokens are never held by a call still queued behind the gate.
+After every answer, 2xx or not, the `x-ratelimit-*` headers (where the provider sends
+them) correct the budget; a 429 pauses that budget for the wait it asked for, so the
+other waiters do not hammer it meanwhile.
 
 `_with_retries` is the only retry loop: `ChatEndpoint` (app/upstream/endpoint.py) sends
-each attempt once, so no retry below it bypasses the budget.
+each attempt once. Each attempt picks its route (app/upstream/routes.py): a failed one
+goes on at once to another deployment that can take it, and only backs off when the one
+it would go to is the one that failed. A stream that fails after its first token starts
+again from the beginning (the consumer is told to drop what it showed: `on_restart`).
 """
 
 from __future__ import annotations
@@ -17,31 +20,35 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import NoReturn
 
 import aiohttp
 import orjson
 
 from app.errors import (
     ScanDeadlineExceeded,
+    ScanFailed,
     UpstreamError,
     UpstreamQuotaExhausted,
     UpstreamRateLimited,
     UpstreamRejected,
     UpstreamTimeout,
+    UpstreamUnavailable,
 )
 from app.limits.clock import Clock
 from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservation
-from app.limits.retry import RetryPolicy, retry_after_from_headers
+from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
 from app.runtime.metrics import Metrics
-from app.upstream.call import AttemptFailed, ChatCall, ChatResult, OnText, Usage
-from app.upstream.endpoint import ChatEndpoint, StallWatch, until_eof
+from app.upstream.breaker import CLOSED, HALF_OPEN, OUT_RETRY_S, QUOTA_COOLDOWN_S
+from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
+from app.upstream.endpoint import StallWatch, until_eof
+from app.upstream.routes import NoRoute, Route, Router
 from app.upstream.wire import (
     Pause,
     check_finish,
     error_body,
-    error_field,
     ratelimit_headers,
     read_chunks,
     read_completion,
@@ -52,11 +59,13 @@ log = logging.getLogger(__name__)
 
 ENDPOINT = "chat.completions"
 
-# A rejection's message (or its body, if it is not OpenAI's JSON error) is logged this far.
+# A rejection's message (or its body, if it is not JSON) is logged this far.
 MAX_ERROR_BODY_CHARS = 300
 # After a stream's [DONE], how long its body's end may take to follow: a connection released
-# before it is closed rather than pooled (with OpenAI, a TLS handshake for the next call).
+# before it is closed rather than pooled (with a TLS provider, a handshake for the next call).
 STREAM_END_WAIT_S = 0.1
+# A deployment that refuses a key or has no such deployment answers these.
+OUT_STATUSES = (401, 403, 404)
 
 # Reads a streamed reply's bytes into the result; returns its usage, if it came.
 ReadStream = Callable[[AsyncIterator[bytes], Pause, ChatResult], Awaitable[Usage | None]]
@@ -65,73 +74,151 @@ ReadStream = Callable[[AsyncIterator[bytes], Pause, ChatResult], Awaitable[Usage
 class Upstream:
     def __init__(
         self,
-        chat: ChatEndpoint,
+        router: Router,
         *,
-        budgets: Mapping[str, RateBudget],
         gates: Mapping[str, StageGate],
         retry: RetryPolicy,
         metrics: Metrics,
         clock: Clock,
     ) -> None:
-        self._chat = chat
-        self.budgets = budgets
+        self.router = router
         self.gates = gates
         self._retry = retry
         self._metrics = metrics
         self._clock = clock
+        # Every budget, by its key (limit group and model), once each.
+        self.budgets: dict[str, RateBudget] = {}
+        for route in router.routes:
+            self.budgets.setdefault(route.deployment.budget_key(route.model), route.budget)
         # Reservations taken and not yet settled: zero whenever no call is in progress.
         self.reservations_open = 0
 
-    def predicted_wait(self, model: str, tokens: int, *, ahead: int) -> float:
-        """How long a call of `tokens` would wait for `model`'s budget behind `ahead` calls
-        (plus those queued at the stage gates, which have not reached the budget yet)."""
+    @property
+    def routes(self) -> Sequence[Route]:
+        return self.router.routes
+
+    def models(self, stage: str) -> list[str]:
+        """The models that may serve `stage`, whichever deployment they are on."""
+        return sorted({route.model for route in self.router.by_stage.get(stage, [])})
+
+    def routes_for(self, stage: str) -> list[Route]:
+        return list(self.router.by_stage.get(stage, []))
+
+    def predicted_wait(self, stage: str, tokens: Callable[[Route], int], *, ahead: int) -> float:
+        """How long a `stage` call reserving `tokens(route)` would wait for a budget behind
+        `ahead` calls (plus those queued at the stage gates, not at a budget yet)."""
         queued_at_gates = sum(g.waiting for g in self.gates.values())
-        return self.budgets[model].predicted_wait(tokens, ahead=ahead + queued_at_gates)
+        return self.router.predicted_wait(stage, tokens, ahead=ahead + queued_at_gates)
 
-    async def complete(self, call: ChatCall, *, deadline: float) -> ChatResult:
-        return await self._with_retries(call, deadline, None)
+    async def complete(self, request: ChatRequest, *, deadline: float) -> ChatResult:
+        return await self._with_retries(request, deadline, None, None)
 
-    async def stream(self, call: ChatCall, *, deadline: float, on_text: OnText) -> ChatResult:
+    async def stream(
+        self, request: ChatRequest, *, deadline: float, on_text: OnText, on_restart: OnRestart | None = None
+    ) -> ChatResult:
         """A streamed call; `on_text` gets the text so far after each read of the stream, and
         says how long it can wait for more: the tokens arriving meanwhile wait in the
         socket buffer and are parsed in one go (one wake-up, one `on_text`, instead of one
-        per token), for a consumer that shows text at its own pace anyway."""
-        return await self._with_retries(call, deadline, functools.partial(read_chunks, on_text))
+        per token), for a consumer that shows text at its own pace anyway. `on_restart`:
+        the call failed after some text and starts again (on another route if one can take
+        it): what the consumer showed of it is void."""
+        return await self._with_retries(
+            request, deadline, functools.partial(read_chunks, on_text), on_restart
+        )
 
     async def _with_retries(
-        self, call: ChatCall, deadline: float, read_stream: ReadStream | None
+        self,
+        request: ChatRequest,
+        deadline: float,
+        read_stream: ReadStream | None,
+        on_restart: OnRestart | None,
     ) -> ChatResult:
         result = ChatResult()
+        failed_on: dict[str, str] = {}  # deployment -> why it failed this call
+        failures = 0
+        chosen: Route | None = None
         while True:
+            route = chosen or self._pick(request, failed_on)
+            call = route.shaped(request)
             result.attempts += 1
             try:
-                await self._attempt(call, deadline, read_stream, result)
+                await self._attempt(route, call, deadline, read_stream, result)
+                result.upstream = route.name
                 return result
             except AttemptFailed as failed:
-                delay = self._retry.delay(result.attempts, failed.wait_s)
-                left = deadline - self._clock.now()
-                if not failed.retry or result.attempts >= self._retry.max_attempts or delay >= left:
-                    log.warning(
-                        "%s call failed for good after %d attempt(s): %s",
-                        call.stage,
-                        result.attempts,
-                        failed.reason,
-                    )
-                    raise failed.error from None
-                self._metrics.upstream_retries.labels(call.model, failed.reason).inc()
-                log.info(
-                    "%s call: retry %d in %.2fs (%s)",
-                    call.stage,
-                    result.attempts,
-                    delay,
-                    failed.reason,
-                )
-                await self._clock.sleep(delay)
+                if failed.reason != "negotiated":
+                    failures += 1
+                    failed_on[route.name] = failed.reason
+                if result.text and on_restart is not None:
+                    self._metrics.upstream_restarts.labels(request.stage).inc()
+                    await on_restart()
+                chosen = await self._before_next(request, route, failed, failures, failed_on, deadline)
+
+    def _pick(self, request: ChatRequest, failed_on: Mapping[str, str]) -> Route:
+        try:
+            return self.router.pick(
+                request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on
+            )
+        except NoRoute as none:
+            log.warning("%s call: no deployment can take it for %.1f s", request.stage, none.wait_s)
+            raise UpstreamUnavailable(retry_after_s=max(1.0, none.wait_s)) from None
+
+    async def _before_next(
+        self,
+        request: ChatRequest,
+        route: Route,
+        failed: AttemptFailed,
+        failures: int,
+        failed_on: Mapping[str, str],
+        deadline: float,
+    ) -> Route | None:
+        """Raise when this was the last attempt; otherwise wait as long as the next one must
+        and say where it goes (None: wherever the router picks)."""
+        if failed.reason == "negotiated":  # the same route again, without what it refused
+            return route
+        left = deadline - self._clock.now()
+        if not failed.retry or failures >= self._retry.max_attempts or left <= 0:
+            self._give_up(request, failed, failures)
+        self._metrics.upstream_retries.labels(route.model, failed.reason).inc()
+        try:
+            following = self.router.pick(
+                request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on
+            )
+        except NoRoute:  # every deployment taken out (a key, a deployment, a quota): that is the answer
+            self._give_up(request, failed, failures)
+        if following.name not in failed_on:  # another deployment can take it: go at once
+            self._metrics.upstream_failovers.labels(request.stage, failed.reason).inc()
+            log.info(
+                "%s call: %s failed (%s); on to %s", request.stage, route.name, failed.reason, following.name
+            )
+            return following
+        delay = self._retry.delay(failures, failed.wait_s)
+        if delay >= left:
+            self._give_up(request, failed, failures)
+        log.info("%s call: retry %d in %.2fs (%s)", request.stage, failures, delay, failed.reason)
+        await self._clock.sleep(delay)
+        return following
+
+    def _give_up(self, request: ChatRequest, failed: AttemptFailed, failures: int) -> NoReturn:
+        """Raise the last attempt's error; a retryable one says when capacity may return:
+        the soonest any of the stage's deployments takes calls again, or the wait asked for."""
+        log.warning("%s call failed for good after %d attempt(s): %s", request.stage, failures, failed.reason)
+        error = failed.error
+        if isinstance(error, ScanFailed) and error.retryable and error.retry_after_s is None:
+            now = self._clock.now()
+            reopen = [r.breaker.open_until - now for r in self.router.by_stage.get(request.stage, [])]
+            error.retry_after_s = max(1.0, failed.wait_s or 0.0, min(reopen, default=0.0))
+        raise error from None
 
     async def _attempt(
-        self, call: ChatCall, deadline: float, read_stream: ReadStream | None, result: ChatResult
+        self,
+        route: Route,
+        call: ChatCall,
+        deadline: float,
+        read_stream: ReadStream | None,
+        result: ChatResult,
     ) -> None:
-        budget = self.budgets[call.model]
+        budget = route.budget
         gate = self.gates[call.stage]
         m = self._metrics
         async with gate.hold() as gate_wait:
@@ -141,18 +228,31 @@ class Upstream:
                 reservation = await budget.reserve(call.reservation_tokens, deadline=deadline)
             except BudgetDeadlineExceeded:
                 raise ScanDeadlineExceeded(
-                    "The OpenAI rate budget could not be had before the deadline."
+                    "The model's rate budget could not be had before the deadline."
                 ) from None
             budget_wait = time.perf_counter() - budget_started
             m.budget_wait.labels(call.model).observe(budget_wait)
             m.stage_queue.labels(call.stage, "budget").observe(budget_wait)
             result.queue_s += gate_wait + budget_wait
             m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
+            m.upstream_routed.labels(route.name, call.stage).inc()
+            route.breaker.begin(self._clock.now())
             started = time.perf_counter()
             self.reservations_open += 1
+            route.in_flight += 1
+            verdict = False
             try:
-                await self._call(call, budget, reservation, read_stream, result)
+                await self._call(route, call, reservation, read_stream, result)
+                verdict = True
+                route.breaker.succeeded(self._clock.now())
+            except AttemptFailed:
+                verdict = True
+                raise
             finally:
+                if not verdict:  # cancelled, or our own bug: no word on the deployment
+                    route.breaker.released()
+                self._show_state(route)
+                route.in_flight -= 1
                 self.reservations_open -= 1
                 elapsed = time.perf_counter() - started
                 result.service_s += elapsed
@@ -163,8 +263,8 @@ class Upstream:
 
     async def _call(
         self,
+        route: Route,
         call: ChatCall,
-        budget: RateBudget,
         reservation: Reservation,
         read_stream: ReadStream | None,
         result: ChatResult,
@@ -172,17 +272,18 @@ class Upstream:
         # What this attempt reads; a failed attempt's text, refusal or finish reason must
         # not pass for the retry's.
         result.text, result.refusal, result.finish_reason = "", "", None
+        body = route.adapt(request_body(call, stream=read_stream is not None))
         try:
-            response = await self._chat.post(orjson.dumps(request_body(call, stream=read_stream is not None)))
+            response = await route.endpoint.post(orjson.dumps(body))
             watch: StallWatch | None = None
             try:
                 if not 200 <= response.status < 300:  # a 3xx too, when it was not followed
-                    raise self._status_failure(call, budget, reservation, response, await response.read())
-                self._observe(call, budget, response, "2xx")
+                    raise self._status_failure(route, call, reservation, response, await response.read())
+                self._observe(route, call, response, "2xx")
                 if read_stream is None:
                     usage = read_completion(await response.read(), result)
                 else:
-                    watch = self._chat.watch_stream(response)
+                    watch = route.endpoint.watch_stream(response)
                     pause = functools.partial(until_eof, response.content)
                     usage = await read_stream(response.content.iter_any(), pause, result)
                     # [DONE] is in; the body's end may be a moment behind it.
@@ -195,15 +296,18 @@ class Upstream:
                 # After the end, the connection goes back to the pool.
                 response.release()
         except aiohttp.ClientError as exc:  # its timeouts (connect, pool, read) included
-            raise self._transport_failure(call, reservation, exc, result) from exc
+            raise self._transport_failure(route, call, reservation, exc, result) from exc
         if usage is not None:
-            self._settle(call, reservation, usage, result)
+            self._settle(route, call, reservation, usage, result)
         check_finish(call, result)
 
-    def _settle(self, call: ChatCall, reservation: Reservation, usage: Usage, result: ChatResult) -> None:
+    def _settle(
+        self, route: Route, call: ChatCall, reservation: Reservation, usage: Usage, result: ChatResult
+    ) -> None:
+        """The budget spends what the provider's limiter counted (nothing back, for OpenAI
+        and Azure); what the call really used is counted apart, in the token metrics."""
         result.prompt_tokens, result.completion_tokens, result.reasoning_tokens, result.cached_tokens = usage
-        # Cached prompt tokens are cheaper, but count against TPM like any other.
-        reservation.settle(usage[0] + usage[1])
+        reservation.settle(route.provider.limiter_settles(reservation.tokens, usage[0], usage[1]))
         tokens = self._metrics.upstream_tokens
         tokens.labels(call.model, "prompt").inc(usage[0])
         tokens.labels(call.model, "completion").inc(usage[1])
@@ -211,7 +315,7 @@ class Upstream:
         tokens.labels(call.model, "cached").inc(usage[3])
 
     def _transport_failure(
-        self, call: ChatCall, reservation: Reservation, exc: Exception, result: ChatResult
+        self, route: Route, call: ChatCall, reservation: Reservation, exc: Exception, result: ChatResult
     ) -> AttemptFailed:
         """Refused or unreachable is a connection failure, a connect or read that took too
         long a timeout; a request that never left gets its reservation back."""
@@ -219,52 +323,59 @@ class Upstream:
         never_sent = isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
         if never_sent and not result.text:
             reservation.settle(None)
-        if isinstance(exc, TimeoutError):
+        timeout = isinstance(exc, TimeoutError)
+        route.breaker.failed(self._clock.now(), "timeout" if timeout else "connection")
+        if timeout:
             return AttemptFailed(UpstreamTimeout(), retry=True, reason="timeout")
         return AttemptFailed(UpstreamError(), retry=True, reason="connection")
 
     def _status_failure(
         self,
+        route: Route,
         call: ChatCall,
-        budget: RateBudget,
         reservation: Reservation,
         response: aiohttp.ClientResponse,
         content: bytes,
     ) -> AttemptFailed:
-        headers = response.headers
         status = response.status
-        body = error_body(content)
+        provider = route.provider
+        info = provider.error_info(error_body(content))
+        wait_s = provider.wait_hint(response.headers, info)
+        now = self._clock.now()
         if status == 429:
-            self._observe(call, budget, response, "429")
-            code = error_field(body, "code")
-            kind = error_field(body, "type") or "unknown"
-            self._metrics.upstream_429.labels(call.model, str(code or kind)).inc()
+            self._observe(route, call, response, "429")
+            self._metrics.upstream_429.labels(call.model, str(info.code or info.kind or "unknown")).inc()
             # A 429 is not counted by the upstream: give the reservation back.
             reservation.settle(None)
-            if code == "insufficient_quota":
-                return AttemptFailed(UpstreamQuotaExhausted(), retry=False, reason="insufficient_quota")
-            wait_s = retry_after_from_headers(headers)
-            budget.pause(wait_s if wait_s is not None else 1.0)
+            if info.code == "insufficient_quota":
+                route.breaker.take_out(now, "insufficient_quota", QUOTA_COOLDOWN_S)
+                return AttemptFailed(UpstreamQuotaExhausted(), retry=True, reason="insufficient_quota")
+            route.budget.pause(wait_s if wait_s is not None else 1.0)
+            route.breaker.failed(now, "429", wait_s)
             return AttemptFailed(UpstreamRateLimited(), retry=True, reason="429", wait_s=wait_s)
         status_class = f"{status // 100}xx"
-        self._observe(call, budget, response, status_class)
+        self._observe(route, call, response, status_class)
         if status >= 500 or status in (408, 409):
-            return AttemptFailed(
-                UpstreamError(),
-                retry=True,
-                reason=status_class,
-                wait_s=retry_after_from_headers(headers),
-            )
-        message = (error_field(body, "message") or content.decode("utf-8", "replace"))[:MAX_ERROR_BODY_CHARS]
-        log.error("upstream rejected %s call with %d: %s", call.stage, status, message)
+            route.breaker.failed(now, status_class, wait_s)
+            return AttemptFailed(UpstreamError(), retry=True, reason=status_class, wait_s=wait_s)
+        message = (info.message or content.decode("utf-8", "replace"))[:MAX_ERROR_BODY_CHARS]
+        if status in OUT_STATUSES:
+            route.breaker.take_out(now, f"{status}: {message}", OUT_RETRY_S)
+            return AttemptFailed(UpstreamRejected(), retry=True, reason=status_class)
+        parameter = provider.refused_parameter(status, info)
+        if parameter is not None and route.negotiation.learn(parameter):
+            reservation.settle(None)  # refused before any work: not counted
+            self._metrics.upstream_negotiated.labels(route.name, parameter.rsplit(".", 1)[-1]).inc()
+            return AttemptFailed(UpstreamRejected(), retry=True, reason="negotiated")
+        log.error("upstream %s rejected %s call with %d: %s", route.name, call.stage, status, message)
         return AttemptFailed(UpstreamRejected(), retry=False, reason=status_class)
 
-    def _observe(
-        self, call: ChatCall, budget: RateBudget, response: aiohttp.ClientResponse, status: str
-    ) -> None:
+    def _observe(self, route: Route, call: ChatCall, response: aiohttp.ClientResponse, status: str) -> None:
         self._count(call, status)
+        if not route.provider.rate_headers:
+            return
         limits = ratelimit_headers(response.raw_headers)
-        budget.observe_headers(limits)
+        route.budget.observe_headers(limits)
         for resource in ("requests", "tokens"):
             raw = limits.get(f"x-ratelimit-remaining-{resource}")
             if raw is not None and raw.isdigit():
@@ -272,3 +383,8 @@ class Upstream:
 
     def _count(self, call: ChatCall, status: str) -> None:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
+
+    def _show_state(self, route: Route) -> None:
+        breaker = route.breaker
+        state = 3 if breaker.out else {CLOSED: 0, HALF_OPEN: 2}.get(breaker.state, 1)
+        self._metrics.upstream_state.labels(route.name).set(state)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -18,8 +19,9 @@ USER_AGENT = "ecoscan"
 
 @dataclass(frozen=True)
 class ChatEndpoint:
-    """POST {base URL}/chat/completions over one aiohttp session, the request built here
-    from settings: the URL, `Authorization: Bearer <key>`, a JSON body, the timeouts. Not
+    """POST to one deployment's chat completions URL over one aiohttp session, the request
+    built here from settings: the URL and auth header of its provider, a JSON body, the
+    timeouts. Not
     through the SDK's client: its per-request layers (options model, header merges,
     httpx's request and response models, exception mapping) cost a large share of a
     scan's CPU for nothing we use (k6/cpu_side_by_side.py measures it), and retries are
@@ -38,22 +40,19 @@ class ChatEndpoint:
     @classmethod
     def open(
         cls,
-        base_url: str,
-        api_key: str,
+        url: str,
+        headers: Mapping[str, str],
         *,
         connect_timeout_s: float,
         read_timeout_s: float,
         max_connections: int,
         keepalive_s: float,
     ) -> ChatEndpoint:
-        """The endpoint and its connection pool (an aiohttp session: `aclose` it). An empty
-        key sends no `Authorization` (a server that needs none)."""
-        headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
+        """The endpoint at `url` and its connection pool (an aiohttp session: `aclose` it);
+        `headers`: the provider's auth (app/upstream/providers/)."""
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_s),
-            headers=headers,
+            headers={"Content-Type": "application/json", "User-Agent": USER_AGENT, **headers},
             # `sock_read` bounds every wait for bytes (past a streamed reply's head, through
             # `watch_stream`), `connect` the wait for a pooled connection and the connect,
             # `sock_connect` the connect itself. aiohttp has no write timeout.
@@ -61,7 +60,6 @@ class ChatEndpoint:
                 sock_connect=connect_timeout_s, sock_read=read_timeout_s, connect=connect_timeout_s
             ),
         )
-        url = base_url.rstrip("/") + "/chat/completions"
         return cls(session, url, *env_proxy(url), read_timeout_s)
 
     async def post(self, body: bytes) -> aiohttp.ClientResponse:
