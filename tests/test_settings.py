@@ -43,9 +43,7 @@ def test_zero_is_allowed_where_it_means_off() -> None:
 def test_the_configuration_doc_lists_every_setting_and_nothing_else() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
     tables = doc[doc.index("## The service's settings") : doc.index("## Models")]
-    names = {
-        env_name(f.name) for f in dataclasses.fields(Settings) if not f.metadata.get("env_prefix")
-    }
+    names = {env_name(f.name) for f in dataclasses.fields(Settings) if not f.metadata.get("env_prefix")}
     missing = sorted(n for n in names if f"`{n}`" not in tables)
     assert not missing, f"settings missing from docs/configuration.md's tables: {missing}"
     first_cells = [line.split("|")[1] for line in tables.splitlines() if line.startswith("| `")]
