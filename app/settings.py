@@ -2,7 +2,7 @@
 
 Nothing imports settings at module level: `create_app(settings)` receives them and
 passes the relevant parts down. Every field maps to one environment variable; the
-README's configuration table lists them all (keep the two in step).
+docs/configuration.md's table lists them all (keep the two in step).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 // ecoscan's "try it" page: downscale a photo, POST it, read the SSE stream with fetch.
-// Plain ES module, no dependencies. The contract is README.md's "The event stream".
+// Plain ES module, no dependencies. The contract is docs/api.md's "The event stream".
 
 const SCAN_URL = "/api/v1/scan/classify/completion";
 // The service's IMAGE_LONG_SIDE (app/http/page.py writes it into the page): a photo downscaled
