@@ -140,11 +140,13 @@ async def test_a_refused_key_takes_its_deployment_out_loudly(
         del keyless["api_key_env"]  # the simulator answers 401 without a key
         listed = [keyless, deployment("good", b, priority=1)]
         async with routed_service(database_url, sim, monkeypatch, listed) as svc:
-            outcomes = await scans(svc, 4)
+            outcomes = await scans(svc, 1)
             assert svc.metric("ecoscan_upstream_state", {"upstream": "no-key"}) == 3  # out
+            assert (await sim_stats(a))["requests_total"] == 1  # one 401, then out
+            outcomes += await scans(svc, 4)
             got = (await sim_stats(a))["requests_total"]
-    assert [o.terminal.event for o in outcomes] == ["done"] * 4
-    assert got == 1  # one 401, then out: every later call went to the other
+    assert [o.terminal.event for o in outcomes] == ["done"] * 5
+    assert got == 1  # every later call went to the other
     assert any(
         "upstream no-key taken out" in r.getMessage() and "401" in r.getMessage() for r in caplog.records
     )
@@ -213,3 +215,97 @@ async def test_answer_only_traffic_at_a_low_tpm_gets_no_429(database_url: str, s
     assert stats["rate_limited_total"] == 0
     # It was the budget that held them back: the limiter's minute holds fewer than 60 calls.
     assert stats["tokens_charged_total"] > tpm
+
+
+async def test_azure_and_gemini_flavours_complete_scans_end_to_end(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Vision on an Azure deployment (v1 layout, `api-key`), the answer on Gemini's
+    # OpenAI-compatible endpoint (no rate headers, its schema subset, its unknown-field 400s).
+    azure_sim = SimConfig(
+        flavor="azure", api_key="sk-azure", time_scale=0.002, latency_sigma=0.0, text_tokens=40
+    )
+    gemini_sim = SimConfig(
+        flavor="gemini", api_key="sk-gemini", time_scale=0.002, latency_sigma=0.0, text_tokens=40
+    )
+    async with run_simulator(azure_sim) as az, run_simulator(gemini_sim) as gem:
+        listed = [
+            {
+                "name": "azure",
+                "provider": "azure",
+                "base_url": f"{az.url}/openai/v1/",
+                "api_key_env": "KEY_AZURE",
+                "vision_model": "gpt-4o-mini",
+                "rpm": 600,
+                "tpm": 1_000_000,
+            },
+            {
+                "name": "gemini",
+                "provider": "gemini",
+                "base_url": f"{gem.url}/v1beta/openai/",
+                "api_key_env": "KEY_GEMINI",
+                "answer_model": "gemini-2.5-flash",
+                "rpm": 600,
+                "tpm": 1_000_000,
+            },
+        ]
+        monkeypatch.setenv("KEY_AZURE", "sk-azure")
+        monkeypatch.setenv("KEY_GEMINI", "sk-gemini")
+        async with routed_service(database_url, sim, monkeypatch, listed) as svc:
+            outcomes = await asyncio.gather(
+                *(
+                    run_scan(
+                        svc.client, json={"image_url": data_url(make_jpeg(s))}, headers={"X-User-ID": f"u{s}"}
+                    )
+                    for s in range(3)
+                )
+            )
+            azure_stats, gemini_stats = await sim_stats(az), await sim_stats(gem)
+    assert [o.terminal.event for o in outcomes] == ["done"] * 3
+    assert {json.dumps(o.terminal.data["upstreams"], sort_keys=True) for o in outcomes} == {
+        '{"answer": "gemini", "vision": "azure"}'
+    }
+    # Nothing was refused or rate limited: each request was shaped for its provider up front
+    # (no safety_identifier nor additionalProperties to Gemini).
+    for stats in (azure_stats, gemini_stats):
+        assert stats["requests_total"] == 3 and stats["rate_limited_total"] == 0
+        assert set(stats["by_status"]) == {"200"}, stats["by_status"]
+
+
+async def test_a_deployment_refusing_a_parameter_costs_one_extra_call_per_process(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A `compatible` deployment knows nothing of what its server refuses: Gemini's endpoint
+    # answers 400 naming each field it does not know; each is learned once, then left out.
+    gemini_sim = SimConfig(flavor="gemini", time_scale=0.002, latency_sigma=0.0, text_tokens=40)
+    async with run_simulator(gemini_sim) as gem:
+        listed = [
+            {
+                "name": "gateway",
+                "provider": "compatible",
+                "base_url": f"{gem.url}/v1beta/openai/",
+                "api_key_env": "KEY_GATEWAY",
+                "vision_model": "gemini-2.5-flash",
+                "answer_model": "gemini-2.5-flash",
+                "rpm": 600,
+                "tpm": 1_000_000,
+            }
+        ]
+        async with routed_service(database_url, sim, monkeypatch, listed) as svc:
+
+            async def scan(seed: int) -> ScanOutcome:
+                body = {"image_url": data_url(make_jpeg(seed))}
+                return await run_scan(svc.client, json=body, headers={"X-User-ID": "someone"})
+
+            first = [await scan(s) for s in range(2)]
+            refused_first = (await sim_stats(gem))["by_status"].get("400", 0)
+            later = [await scan(s) for s in range(10, 14)]
+            refused_later = (await sim_stats(gem))["by_status"].get("400", 0)
+            negotiated = {
+                p: svc.metric("ecoscan_upstream_negotiated_total", {"upstream": "gateway", "parameter": p})
+                for p in ("safety_identifier", "additionalProperties")
+            }
+    assert [o.terminal.event for o in [*first, *later]] == ["done"] * 6
+    assert negotiated == {"safety_identifier": 1, "additionalProperties": 1}
+    assert refused_first == sum(negotiated.values())  # one extra call for each, in this process
+    assert refused_later == refused_first  # and never again

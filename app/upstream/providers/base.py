@@ -58,7 +58,10 @@ class Provider:
         return None
 
     def error_info(self, body: object) -> ErrorInfo:
-        """OpenAI's envelope: `{"error": {"message", "type", "code", "param"}}`."""
+        """OpenAI's envelope: `{"error": {"message", "type", "code", "param"}}`; inside a
+        one-element array too, as some servers behind a `compatible` deployment send it."""
+        if isinstance(body, list) and len(body) == 1:
+            body = body[0]
         inner = body.get("error", body) if isinstance(body, dict) else None
         if not isinstance(inner, dict):
             return ErrorInfo()
@@ -77,7 +80,7 @@ class Provider:
         return _named_parameter(info.message)
 
 
-_QUOTED = re.compile(r"['\"`]([a-z_]+(?:\.[a-z_]+)?)['\"`]")
+_QUOTED = re.compile(r"['\"`]([A-Za-z_]+(?:\.[A-Za-z_]+)*)['\"`]")
 # What a 400 about an optional parameter says, across providers' wordings.
 _REFUSING = (
     "unsupported",
