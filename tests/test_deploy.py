@@ -42,6 +42,7 @@ import yaml  # type: ignore[import-untyped]
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.errors import Overloaded
 from app.http.protocol import HttpToolsProtocol
 from app.images.limits import ImageLimits
 from app.intake.parsing import InputLimits
@@ -102,6 +103,33 @@ DASHBOARD_MUST_CHART = frozenset(
         "ecoscan_event_loop_lag_seconds_bucket",
         "ecoscan_budget_shared",
         "ecoscan_budget_redis_calls_total",
+        # ...and what it lacked: scans lost with their process, the reply caches,
+        # admission refusals, Redis failures and round trips.
+        "ecoscan_scans_lost_total",
+        "ecoscan_cache_requests_total",
+        "ecoscan_cache_bytes",
+        "ecoscan_admission_rejected_total",
+        "ecoscan_user_caps_redis_errors_total",
+        "ecoscan_scan_stream_mirror_failures_total",
+        "ecoscan_budget_redis_call_seconds_bucket",
+    }
+)
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+ALERTS_TESTS = DEPLOY / "prometheus" / "alerts.test.yml"
+# Series alert rules may use from another exporter, with their labels: kube-state-metrics',
+# which a Kubernetes Prometheus scrapes (compose's has none: those rules stay silent there).
+OTHER_EXPORTERS = {"kube_pod_status_ready": frozenset({"namespace", "pod", "uid", "condition"})}
+# What the alert rules must watch (issue: alerts that are tested).
+ALERTS_MUST_WATCH = frozenset(
+    {
+        "ecoscan_budget_effective_limit_per_minute",
+        "ecoscan_upstream_rate_limited_total",
+        "ecoscan_event_loop_lag_seconds_bucket",
+        "ecoscan_scans_lost_total",
+        "ecoscan_scan_rows_deferred",
+        "ecoscan_budget_redis_calls_total",
+        "ecoscan_user_caps_redis_errors_total",
+        "kube_pod_status_ready",
     }
 )
 # Grafana's variables, replaced by something PromQL parses.
@@ -420,6 +448,57 @@ def test_prometheus_scrapes_every_replica(compose: dict[str, Any]) -> None:
     )
 
 
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.fail("promtool checks the alert rules: apt-get install -y --no-install-recommends prometheus")
+    return found
+
+
+def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([promtool(), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_prometheus_loads_the_alert_rules() -> None:
+    """prometheus.yml names alerts.yml (beside it, as compose mounts the config), and
+    `promtool check config` follows it there."""
+    config = load_yaml(PROMETHEUS_CONFIG)
+    assert [(PROMETHEUS_CONFIG.parent / f).resolve() for f in config["rule_files"]] == [ALERTS.resolve()]
+    result = run_promtool("check", "config", str(PROMETHEUS_CONFIG))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
+    check = run_promtool("check", "rules", str(ALERTS))
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = run_promtool("test", "rules", str(ALERTS_TESTS))
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
+def test_alert_unit_tests_fail_a_broken_rule(tmp_path: Path) -> None:
+    """The unit tests bite: a threshold moved, and the alert no longer fires where they say."""
+    shutil.copy(ALERTS_TESTS, tmp_path / ALERTS_TESTS.name)
+    (tmp_path / ALERTS.name).write_text(mutated(ALERTS.read_text(), "> 0.1\n", "> 0.5\n"))
+    result = run_promtool("test", "rules", str(tmp_path / ALERTS_TESTS.name))
+    assert result.returncode != 0 and "EcoscanEventLoopLagHigh" in result.stdout + result.stderr
+
+
+def test_every_alert_is_tested_firing_and_silent() -> None:
+    rules = [rule for group in load_yaml(ALERTS)["groups"] for rule in group["rules"]]
+    alerts = {rule["alert"] for rule in rules}
+    for rule in rules:
+        assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
+        assert {"summary", "description"} <= rule["annotations"].keys(), rule["alert"]
+    fired: set[str] = set()
+    silent: set[str] = set()
+    for case in load_yaml(ALERTS_TESTS)["tests"]:
+        for check in case.get("alert_rule_test", []):
+            (fired if check.get("exp_alerts") else silent).add(check["alertname"])
+    assert alerts <= fired, f"never seen firing: {sorted(alerts - fired)}"
+    assert alerts <= silent, f"never seen silent: {sorted(alerts - silent)}"
+    assert fired | silent <= alerts, f"tests of no rule: {sorted((fired | silent) - alerts)}"
+
+
 def provisioned_datasource() -> dict[str, Any]:
     (datasource,) = load_yaml(DATASOURCES)["datasources"]
     assert isinstance(datasource, dict)
@@ -478,6 +557,13 @@ def test_dashboard_refers_to_the_provisioned_datasource() -> None:
 
 
 # --------------------------------------------------------------------------- the dashboard's queries
+
+
+def alert_queries() -> Iterator[tuple[str, str]]:
+    """(alert name, PromQL) for every rule in alerts.yml."""
+    for group in load_yaml(ALERTS)["groups"]:
+        for rule in group["rules"]:
+            yield f"{group['name']}/{rule.get('alert') or rule.get('record')}", rule["expr"]
 
 
 def dashboard_queries() -> Iterator[tuple[str, str]]:
@@ -570,36 +656,56 @@ async def exposition(database_url: str, sim: RunningSimulator) -> tuple[str, Met
         return response.text, metrics
 
 
+def query_problems(
+    where: str, query: str, series: Mapping[str, set[str] | frozenset[str]], named: set[str]
+) -> list[str]:
+    """What is wrong with one PromQL query against the exported series (-> label names): it
+    does not parse, names a series nobody exports, or a label the series do not carry
+    (in a selector, `by (...)` or `on (...)`). Adds every series it names to `named`."""
+    try:
+        expr = promql_parser.parse(query)
+    except Exception as exc:  # the parser raises a plain ValueError-like error
+        return [f"{where}: {query!r} is not PromQL: {exc}"]
+    problems = []
+    for selector in selectors(expr):
+        name = selector_name(selector)
+        named.add(name)
+        if name in PROMETHEUS_SERIES:
+            continue
+        if name not in series:
+            problems.append(f"{where}: {name} is not exported")
+            continue
+        labels = {m.name for m in selector.matchers.matchers} - {"__name__"}
+        unknown = labels - series[name] - TARGET_LABELS
+        if unknown:
+            problems.append(f"{where}: {name} has no label {sorted(unknown)}")
+
+    def available(node: promql_parser.Expr) -> set[str]:
+        return set(TARGET_LABELS).union(*(series.get(selector_name(s), set()) for s in selectors(node)))
+
+    for aggregation in aggregations(expr):
+        if aggregation.modifier is None or aggregation.modifier.type != promql_parser.AggModifierType.By:
+            continue
+        unknown = set(aggregation.modifier.labels) - available(aggregation.expr)
+        if unknown:
+            names = [selector_name(s) for s in selectors(aggregation.expr)]
+            problems.append(f"{where}: `by ({', '.join(sorted(unknown))})` over {names}: no such label")
+    for binary in nodes_of(expr, promql_parser.BinaryExpr):
+        matching = binary.modifier.matching if binary.modifier else None
+        if matching is not None and matching.type == promql_parser.LabelModifierType.Include:
+            for side in (binary.lhs, binary.rhs):
+                unknown = set(matching.labels) - available(side)
+                if unknown:
+                    problems.append(f"{where}: `on ({', '.join(sorted(unknown))})`: no such label")
+    return problems
+
+
 async def test_dashboard_charts_only_metrics_the_service_exports(exposition: tuple[str, Metrics]) -> None:
     series = exported_series(*exposition)
     charted: set[str] = set()
     problems: list[str] = []
     for title, query in dashboard_queries():
-        try:
-            expr = promql_parser.parse(query)
-        except Exception as exc:  # the parser raises a plain ValueError-like error
-            problems.append(f"{title}: {query!r} is not PromQL: {exc}")
-            continue
-        for selector in selectors(expr):
-            name = selector_name(selector)
-            charted.add(name)
-            if name in PROMETHEUS_SERIES:
-                continue
-            if name not in series:
-                problems.append(f"{title}: {name} is not exported")
-                continue
-            labels = {m.name for m in selector.matchers.matchers} - {"__name__"}
-            unknown = labels - series[name] - TARGET_LABELS
-            if unknown:
-                problems.append(f"{title}: {name} has no label {sorted(unknown)}")
-        for aggregation in aggregations(expr):
-            if aggregation.modifier is None or aggregation.modifier.type != promql_parser.AggModifierType.By:
-                continue
-            names = [selector_name(s) for s in selectors(aggregation.expr)]
-            available = set(TARGET_LABELS).union(*(series.get(n, set()) for n in names))
-            unknown = set(aggregation.modifier.labels) - available
-            if unknown:
-                problems.append(f"{title}: `by ({', '.join(sorted(unknown))})` over {names}: no such label")
+        problems += query_problems(title, query, series, charted)
     assert not problems, "\n".join(problems)
     assert not DASHBOARD_MUST_CHART - charted, sorted(DASHBOARD_MUST_CHART - charted)
     # The replica picker's values come from an exported metric too.
@@ -607,6 +713,32 @@ async def test_dashboard_charts_only_metrics_the_service_exports(exposition: tup
     query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
     match = re.fullmatch(r"label_values\((\w+),\s*instance\)", query)
     assert match and match[1] in series, query
+
+
+async def test_alert_rules_watch_only_metrics_the_service_exports(exposition: tuple[str, Metrics]) -> None:
+    series: dict[str, set[str] | frozenset[str]] = {**exported_series(*exposition), **OTHER_EXPORTERS}
+    watched: set[str] = set()
+    problems: list[str] = []
+    for name, query in alert_queries():
+        problems += query_problems(name, query, series, watched)
+    assert not problems, "\n".join(problems)
+    assert not ALERTS_MUST_WATCH - watched, sorted(ALERTS_MUST_WATCH - watched)
+
+
+def test_refused_panel_counts_only_refusals_for_capacity() -> None:
+    """The overview's "Refused" counted every rejected request (400s, 413s...); it counts the
+    429/503 refusals for capacity: exactly the codes of `Overloaded` (app/errors.py)."""
+    (panel,) = [p for p in panels() if p["title"].startswith("Refused")]
+    (target,) = panel["targets"]
+    match = re.search(r'outcome="rejected",code=~"([A-Z_|]+)"', target["expr"])
+    assert match, target["expr"]
+
+    def codes(cls: type[Overloaded]) -> set[str]:
+        return {cls.code}.union(*(codes(sub) for sub in cls.__subclasses__()))
+
+    assert set(match[1].split("|")) == codes(Overloaded)
+    titles = [p["title"] for p in panels()]
+    assert len(titles) == len(set(titles)), "two panels share a title"
 
 
 def test_dashboard_queries_follow_the_replica_picker() -> None:
