@@ -112,6 +112,10 @@ DASHBOARD_MUST_CHART = frozenset(
         "ecoscan_user_caps_redis_errors_total",
         "ecoscan_scan_stream_mirror_failures_total",
         "ecoscan_budget_redis_call_seconds_bucket",
+        # Routing over deployments.
+        "ecoscan_upstream_routed_total",
+        "ecoscan_upstream_state",
+        "ecoscan_upstream_failovers_total",
     }
 )
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
@@ -124,6 +128,7 @@ ALERTS_MUST_WATCH = frozenset(
     {
         "ecoscan_budget_effective_limit_per_minute",
         "ecoscan_upstream_rate_limited_total",
+        "ecoscan_upstream_state",
         "ecoscan_event_loop_lag_seconds_bucket",
         "ecoscan_scans_lost_total",
         "ecoscan_scan_rows_deferred",
@@ -680,8 +685,16 @@ def query_problems(
         if unknown:
             problems.append(f"{where}: {name} has no label {sorted(unknown)}")
 
+    # Labels the query makes itself (label_replace's and label_join's destination).
+    made = {
+        call.args[1].val
+        for call in nodes_of(expr, promql_parser.Call)
+        if call.func.name in ("label_replace", "label_join")
+    }
+
     def available(node: promql_parser.Expr) -> set[str]:
-        return set(TARGET_LABELS).union(*(series.get(selector_name(s), set()) for s in selectors(node)))
+        exported = (series.get(selector_name(s), set()) for s in selectors(node))
+        return set(TARGET_LABELS).union(made, *exported)
 
     for aggregation in aggregations(expr):
         if aggregation.modifier is None or aggregation.modifier.type != promql_parser.AggModifierType.By:
