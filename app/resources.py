@@ -123,7 +123,7 @@ async def lifespan_resources(
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
         cpu.observers.append(metrics.observe_cpu_job)
         stack.callback(cpu.shutdown)
-        store = await _scan_store(settings, pool, instance_id, stack)
+        store = await _scan_store(settings, pool, instance_id, metrics, stack)
         streams = _scan_streams(settings, redis, metrics, stack)
         pipeline = ScanPipeline(
             runner,
@@ -189,12 +189,17 @@ async def _pool(settings: Settings, dsn: str, stack: AsyncExitStack) -> asyncpg.
 
 
 async def _scan_store(
-    settings: Settings, pool: asyncpg.Pool[asyncpg.Record], instance_id: uuid.UUID, stack: AsyncExitStack
+    settings: Settings,
+    pool: asyncpg.Pool[asyncpg.Record],
+    instance_id: uuid.UUID,
+    metrics: Metrics,
+    stack: AsyncExitStack,
 ) -> ScanStore:
-    """The scans table, and the sweep that records scans of dead processes."""
+    """The scans table, and the sweep that records (and counts) scans of dead processes."""
     store = ScanStore(pool, instance_id=instance_id, timeout_s=settings.db_timeout_s)
     stack.push_async_callback(store.close, CLOSE_TIMEOUT_S)
-    _background(stack, sweep_lost_scans(store, interval_s=LOST_SCAN_SWEEP_S), "lost-scan-sweep")
+    sweep = sweep_lost_scans(store, metrics=metrics, interval_s=LOST_SCAN_SWEEP_S)
+    _background(stack, sweep, "lost-scan-sweep")
     purge = purge_old_scans(store, retention_days=settings.scan_retention_days, interval_s=PURGE_INTERVAL_S)
     _background(stack, purge, "scan-purge")
     return store

@@ -308,17 +308,32 @@ def _field_type(f: dataclasses.Field[Any]) -> str:
     return str(f.type).replace(" | None", "")
 
 
+# The spellings a boolean setting accepts (any case); anything else is refused, so that a
+# typo ("ture") cannot quietly mean false.
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+
+
 def _cast(name: str, raw: str, type_name: str) -> Any:
+    if type_name == "bool":
+        return _boolean(name, raw)
     try:
         if type_name == "int":
             return int(raw.replace("_", ""))
         if type_name == "float":
             return float(raw)
-        if type_name == "bool":
-            return raw.strip().lower() in ("1", "true", "yes", "on")
         return raw
     except ValueError:
         raise SettingsError(f"{env_name(name)} must be a {type_name}, got {raw!r}") from None
+
+
+def _boolean(name: str, raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise SettingsError(f"{env_name(name)} must be true/false, 1/0, yes/no or on/off, got {raw!r}")
 
 
 def display_url(url: str) -> str:

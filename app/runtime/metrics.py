@@ -94,6 +94,11 @@ class Metrics:
             buckets=FAST_BUCKETS,
             registry=r,
         )
+        self.scans_lost = Counter(
+            "ecoscan_scans_lost_total",
+            "Scans of dead processes (SIGKILL, OOM, lost host) this process's sweep marked PROCESS_LOST.",
+            registry=r,
+        )
         self.scans_in_flight = Gauge(
             "ecoscan_scans_in_flight", "Accepted scans not yet finished.", registry=r
         )
