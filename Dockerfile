@@ -58,4 +58,8 @@ EXPOSE 8000
 STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
-CMD ["uvicorn", "app.main:app", "--http", "app.http.protocol:HttpToolsProtocol", "--host", "0.0.0.0", "--port", "8000", "--no-server-header"]
+# --timeout-keep-alive: idle connections are kept 75 s (uvicorn's default is 5 s), longer
+# than a proxy in front keeps them (ingress-nginx: 60 s), so the proxy always closes an idle
+# connection first and never sends a request into one uvicorn is closing (a 502).
+# deploy/k8s/base/deployment.yaml repeats this command; tests/test_deploy.py keeps them equal.
+CMD ["uvicorn", "app.main:app", "--http", "app.http.protocol:HttpToolsProtocol", "--host", "0.0.0.0", "--port", "8000", "--no-server-header", "--timeout-keep-alive", "75"]

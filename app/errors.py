@@ -14,7 +14,7 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
     │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
     └── ScanFailed               after the stream started: an SSE `error` event
-        ├── UpstreamError, UpstreamRateLimited, UpstreamQuotaExhausted, UpstreamRejected,
+        ├── UpstreamError, UpstreamRateLimited, UpstreamUnavailable, UpstreamQuotaExhausted, UpstreamRejected,
         │   UpstreamBadResponse, UpstreamTimeout, UpstreamTokenLimit, UpstreamRefused,
         │   UpstreamContentFiltered, StageTimeout, ScanDeadlineExceeded
         ├── ServerShutdown, ProcessLost
@@ -280,6 +280,11 @@ class ScanFailed(EcoscanError):
     code = "SCAN_FAILED"
     default_message = "The scan failed."
 
+    def __init__(self, message: str | None = None, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        # When retrying may succeed again, if known: the `error` event's `retry_after`.
+        self.retry_after_s = retry_after_s
+
 
 class UpstreamError(ScanFailed):
     code = "UPSTREAM_ERROR"
@@ -290,6 +295,11 @@ class UpstreamError(ScanFailed):
 class UpstreamRateLimited(UpstreamError):
     code = "UPSTREAM_RATE_LIMITED"
     default_message = "The AI service is rate limiting us; retry later."
+
+
+class UpstreamUnavailable(UpstreamError):
+    code = "UPSTREAM_UNAVAILABLE"
+    default_message = "No AI service can take the request now; retry later."
 
 
 class UpstreamQuotaExhausted(ScanFailed):

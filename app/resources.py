@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -19,8 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-import httpx
-import openai
 
 from app.db.characters import Collections
 from app.db.embedded import EmbeddedPostgres
@@ -53,7 +52,13 @@ from app.settings import Settings, SettingsError
 from app.stages.base import BudgetedStage, Stage, StageClass, StageEnv, StageResult
 from app.stages.order import STAGES
 from app.streaming.access import ScanAccess
-from app.upstream.client import ChatEndpoint, Upstream
+from app.upstream.breaker import Breaker
+from app.upstream.client import Upstream
+from app.upstream.deployments import Deployment, DeploymentError, with_key
+from app.upstream.endpoint import ChatEndpoint
+from app.upstream.negotiation import Negotiation
+from app.upstream.providers import PROVIDERS
+from app.upstream.routes import Route, Router
 
 log = logging.getLogger("app")
 
@@ -108,9 +113,8 @@ async def lifespan_resources(
         dsn = tagged_dsn(await _database(settings, stack), instance_id)
         pool = await _pool(settings, dsn, stack)
         taxonomy = await _catalogue(pool)
-        chat, base_url, simulator = await _openai_client(settings, stack)
         redis = await _redis_link(settings, stack)
-        upstream = _upstream(settings, chat, metrics, clock, _budgets(settings, redis, metrics, clock, stack))
+        upstream, base_url, simulator = await _upstream(settings, metrics, clock, redis, stack)
         env = StageEnv(settings, pool, dsn, taxonomy, upstream, metrics, clock, stack)
         built = [await stage.start(env) for stage in stages]  # in order: each may load what it needs
         runner = StageRunner(built, metrics=metrics, clock=clock)
@@ -119,7 +123,7 @@ async def lifespan_resources(
         cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
         cpu.observers.append(metrics.observe_cpu_job)
         stack.callback(cpu.shutdown)
-        store = await _scan_store(settings, pool, instance_id, stack)
+        store = await _scan_store(settings, pool, instance_id, metrics, stack)
         streams = _scan_streams(settings, redis, metrics, stack)
         pipeline = ScanPipeline(
             runner,
@@ -185,12 +189,17 @@ async def _pool(settings: Settings, dsn: str, stack: AsyncExitStack) -> asyncpg.
 
 
 async def _scan_store(
-    settings: Settings, pool: asyncpg.Pool[asyncpg.Record], instance_id: uuid.UUID, stack: AsyncExitStack
+    settings: Settings,
+    pool: asyncpg.Pool[asyncpg.Record],
+    instance_id: uuid.UUID,
+    metrics: Metrics,
+    stack: AsyncExitStack,
 ) -> ScanStore:
-    """The scans table, and the sweep that records scans of dead processes."""
+    """The scans table, and the sweep that records (and counts) scans of dead processes."""
     store = ScanStore(pool, instance_id=instance_id, timeout_s=settings.db_timeout_s)
     stack.push_async_callback(store.close, CLOSE_TIMEOUT_S)
-    _background(stack, sweep_lost_scans(store, interval_s=LOST_SCAN_SWEEP_S), "lost-scan-sweep")
+    sweep = sweep_lost_scans(store, metrics=metrics, interval_s=LOST_SCAN_SWEEP_S)
+    _background(stack, sweep, "lost-scan-sweep")
     purge = purge_old_scans(store, retention_days=settings.scan_retention_days, interval_s=PURGE_INTERVAL_S)
     _background(stack, purge, "scan-purge")
     return store
@@ -209,57 +218,35 @@ async def _catalogue(pool: asyncpg.Pool[asyncpg.Record]) -> Taxonomy:
         return await load_taxonomy(conn)
 
 
-async def _openai_client(settings: Settings, stack: AsyncExitStack) -> tuple[ChatEndpoint, str, Any]:
-    base_url, api_key, simulator = await _upstream_endpoint(settings, stack)
-    timeout = httpx.Timeout(
-        connect=settings.openai_connect_timeout_s,
-        read=settings.openai_read_timeout_s,  # also the longest gap between stream chunks
-        write=settings.openai_connect_timeout_s,
-        pool=settings.openai_connect_timeout_s,
+def _budget(
+    settings: Settings,
+    key: str,
+    limits: tuple[int, int],
+    redis: RedisLink | None,
+    metrics: Metrics,
+    clock: Clock,
+    stack: AsyncExitStack,
+) -> RateBudget:
+    """The budget of one limit group and model (`key`); with REDIS_URL, one for every
+    replica (app/limits/shared_budget.py)."""
+    rpm, tpm = limits
+    fraction = settings.rate_burst_fraction
+    if redis is None:
+        return RateBudget(rpm=rpm, tpm=tpm, burst_fraction=fraction, clock=clock, name=key)
+    shared = SharedRateBudget(
+        redis,
+        rpm=rpm,
+        tpm=tpm,
+        burst_fraction=fraction,
+        clock=clock,
+        name=key,
+        on_call=functools.partial(_count_redis_call, metrics, key),
     )
-    # The SDK's client says how to talk to OpenAI (URL, headers, key, timeouts);
-    # ChatEndpoint sends that over aiohttp: with h11, httpx's default parser, parsing
-    # streamed chunks in pure Python was ~25% of the event loop.
-    client = openai.AsyncOpenAI(
-        api_key=api_key,
-        base_url=base_url,
-        max_retries=0,  # our retry loop owns retries; the SDK's would bypass the budget
-        timeout=timeout,
-    )
-    await client.close()  # its own httpx client is never used
-    chat = ChatEndpoint.open(
-        client, max_connections=UPSTREAM_MAX_CONNECTIONS, keepalive_s=UPSTREAM_KEEPALIVE_S
-    )
-    stack.push_async_callback(_bounded_close, "OpenAI connections", chat.aclose)
-    return chat, base_url, simulator
-
-
-def _budgets(
-    settings: Settings, redis: RedisLink | None, metrics: Metrics, clock: Clock, stack: AsyncExitStack
-) -> dict[str, RateBudget]:
-    """One rate budget per model (two stages on one model share it); with REDIS_URL,
-    one for every replica (app/limits/shared_budget.py)."""
-    limits = {"rpm": settings.openai_rpm, "tpm": settings.openai_tpm}
-    budgets: dict[str, RateBudget] = {}
-    for model in sorted({settings.vision_model, settings.answer_model}):
-        fraction = settings.rate_burst_fraction
-        if redis is None:
-            budgets[model] = RateBudget(**limits, burst_fraction=fraction, clock=clock, name=model)
-            continue
-        shared = SharedRateBudget(
-            redis,
-            **limits,
-            burst_fraction=fraction,
-            clock=clock,
-            name=model,
-            on_call=functools.partial(_count_redis_call, metrics, model),
-        )
-        shared.start()
-        stack.push_async_callback(_bounded_close, f"shared budget {model}", shared.aclose)
-        metrics.budget_shared.labels(model).set_function(_reader(shared, "shared"))
-        metrics.budget_share.labels(model).set_function(_reader(shared, "share"))
-        budgets[model] = shared
-    return budgets
+    shared.start()
+    stack.push_async_callback(_bounded_close, f"shared budget {key}", shared.aclose)
+    metrics.budget_shared.labels(key).set_function(_reader(shared, "shared"))
+    metrics.budget_share.labels(key).set_function(_reader(shared, "share"))
+    return shared
 
 
 def _count_redis_call(metrics: Metrics, model: str, op: str, seconds: float) -> None:
@@ -268,14 +255,54 @@ def _count_redis_call(metrics: Metrics, model: str, op: str, seconds: float) -> 
         metrics.budget_redis_call_seconds.labels(model).observe(seconds)
 
 
-def _upstream(
-    settings: Settings,
-    chat: ChatEndpoint,
-    metrics: Metrics,
-    clock: Clock,
-    budgets: dict[str, RateBudget],
-) -> Upstream:
-    """The budgets, one gate per stage, the retry policy: every OpenAI call's path."""
+async def _upstream(
+    settings: Settings, metrics: Metrics, clock: Clock, redis: RedisLink | None, stack: AsyncExitStack
+) -> tuple[Upstream, str, Any]:
+    """Every model call's path: a route per deployment and stage (app/upstream/routes.py),
+    one budget per limit group and model, one breaker and connection pool per deployment,
+    one gate per stage, the retry policy. Also the first deployment's URL and the
+    simulator, when it runs."""
+    deployments, simulator = await _deployments(settings, stack)
+    budgets: dict[str, RateBudget] = {}
+    endpoints: dict[tuple[str, str], ChatEndpoint] = {}
+    negotiations: dict[tuple[str, str], Negotiation] = {}
+    routes: list[Route] = []
+    for d in deployments:
+        provider = PROVIDERS[d.provider]
+        breaker = Breaker(d.name, open_base_s=settings.upstream_open_s)
+        metrics.upstream_state.labels(d.name).set(0)
+        for stage in ("vision", "answer"):
+            model = d.model_for(stage)
+            if model is None:
+                continue
+            key = d.budget_key(model)
+            if key not in budgets:
+                budgets[key] = _budget(settings, key, (d.rpm, d.tpm), redis, metrics, clock, stack)
+            if (d.name, model) not in endpoints:
+                endpoint = ChatEndpoint.open(
+                    provider.chat_url(d, model),
+                    provider.auth_headers(d),
+                    connect_timeout_s=settings.openai_connect_timeout_s,
+                    read_timeout_s=settings.openai_read_timeout_s,  # also the longest gap in a stream
+                    max_connections=UPSTREAM_MAX_CONNECTIONS,
+                    keepalive_s=UPSTREAM_KEEPALIVE_S,
+                )
+                stack.push_async_callback(_bounded_close, f"connections to {d.name}", endpoint.aclose)
+                endpoints[(d.name, model)] = endpoint
+                negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}")
+            shape = settings.call_shape(stage, model=model, token_param=d.token_param)
+            routes.append(
+                Route(
+                    d,
+                    provider,
+                    stage,
+                    shape,
+                    endpoints[(d.name, model)],
+                    budgets[key],
+                    breaker,
+                    negotiations[(d.name, model)],
+                )
+            )
     gates = {
         "vision": StageGate("vision", settings.vision_concurrency),
         "answer": StageGate("answer", settings.answer_concurrency),
@@ -285,7 +312,42 @@ def _upstream(
         base_delay_s=settings.retry_base_delay_s,
         max_delay_s=settings.retry_max_delay_s,
     )
-    return Upstream(chat, budgets=budgets, gates=gates, retry=retry, metrics=metrics, clock=clock)
+    upstream = Upstream(Router(routes, clock), gates=gates, retry=retry, metrics=metrics, clock=clock)
+    return upstream, deployments[0].base_url, simulator
+
+
+async def _deployments(settings: Settings, stack: AsyncExitStack) -> tuple[tuple[Deployment, ...], Any]:
+    """UPSTREAMS' deployments with their keys, or the one the OPENAI_* settings describe
+    (the built-in simulator's, without OPENAI_API_KEY)."""
+    listed = settings.deployments()
+    if listed is not None:
+        try:
+            keyed = tuple(with_key(d, os.environ) for d in listed)
+        except DeploymentError as exc:
+            raise SettingsError(f"UPSTREAMS: {exc}") from None
+        for d in keyed:
+            served = ", ".join(f"{s} by {d.model_for(s)}" for s in ("vision", "answer") if d.model_for(s))
+            log.info(
+                "upstream %s: %s at %s (%s; limit group %s)",
+                d.name,
+                d.provider,
+                d.base_url,
+                served,
+                d.limit_group,
+            )
+        return keyed, None
+    base_url, api_key, simulator = await _upstream_endpoint(settings, stack)
+    implicit = Deployment(
+        name="simulator" if simulator is not None else "openai",
+        provider="openai",
+        base_url=base_url,
+        rpm=settings.openai_rpm,
+        tpm=settings.openai_tpm,
+        vision_model=settings.vision_model,
+        answer_model=settings.answer_model,
+        api_key=api_key or None,
+    )
+    return (implicit,), simulator
 
 
 async def _redis_link(settings: Settings, stack: AsyncExitStack) -> RedisLink | None:

@@ -2,7 +2,7 @@
 
 Nothing imports settings at module level: `create_app(settings)` receives them and
 passes the relevant parts down. Every field maps to one environment variable; the
-README's configuration table lists them all (keep the two in step).
+docs/configuration.md's table lists them all (keep the two in step).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
 from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
 
 AUTH_MODES = ("gateway", "jwt")
@@ -44,7 +45,11 @@ class Settings:
     shutdown_drain_s: float = 25.0
 
     # --- upstream (OpenAI or any compatible server) ------------------------------
-    openai_api_key: str | None = None
+    # Several deployments (app/upstream/deployments.py): a JSON array, or a TOML file of
+    # [[upstream]] tables. With neither, the OPENAI_* settings are the one deployment.
+    upstreams: str | None = field(default=None, repr=False)
+    upstreams_file: str | None = None
+    openai_api_key: str | None = field(default=None, repr=False)
     openai_base_url: str | None = None
     vision_model: str = "gpt-4o-mini"
     answer_model: str = "gpt-4o-mini"
@@ -54,6 +59,8 @@ class Settings:
     openai_token_param: str = "auto"
     vision_reasoning_effort: str | None = None
     answer_reasoning_effort: str | None = None
+    # How long a failing deployment's breaker stays open at first (doubling, up to 60 s).
+    upstream_open_s: float = 5.0
     openai_connect_timeout_s: float = 5.0
     openai_read_timeout_s: float = 20.0
     vision_timeout_s: float = 30.0
@@ -157,6 +164,7 @@ class Settings:
         self._check_models()
         self._check_redis()
         self._check_identity()
+        self.deployments()
         if self.openai_api_key is None and self.openai_base_url is not None:
             # A base URL without a key would silently fall back to the simulator.
             raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
@@ -220,22 +228,35 @@ class Settings:
                 names = f"{stage.upper()}_MODEL / {stage.upper()}_REASONING_EFFORT / OPENAI_TOKEN_PARAM"
                 raise SettingsError(f"{names}: {exc}") from None
 
-    def call_shape(self, stage: str) -> CallShape:
-        """How the `vision` or `answer` stage calls its model (see app/upstream/profiles.py)."""
+    def call_shape(
+        self, stage: str, *, model: str | None = None, token_param: str | None = None
+    ) -> CallShape:
+        """How the `vision` or `answer` stage calls `model` (default: VISION_MODEL or
+        ANSWER_MODEL; see app/upstream/profiles.py); a deployment may name its own model
+        and token parameter."""
         vision = stage == "vision"
         return call_shape(
-            self.vision_model if vision else self.answer_model,
+            model or (self.vision_model if vision else self.answer_model),
             output_tokens=self.vision_max_tokens if vision else self.answer_max_tokens,
             effort=self.vision_reasoning_effort if vision else self.answer_reasoning_effort,
-            token_param=self.openai_token_param,
+            token_param=token_param or self.openai_token_param,
             # A classifier should give the same photo the same label; the answer keeps
             # the model's default sampling. Dropped where the model only takes the default.
             temperature=0.0 if vision else None,
         )
 
+    def deployments(self) -> tuple[Deployment, ...] | None:
+        """The deployments UPSTREAMS or UPSTREAMS_FILE lists, keys not yet looked up; None
+        when neither is set (the OPENAI_* settings are then the one deployment)."""
+        try:
+            return parse_deployments(self.upstreams, self.upstreams_file)
+        except DeploymentError as exc:
+            name = "UPSTREAMS_FILE" if self.upstreams_file and not self.upstreams else "UPSTREAMS"
+            raise SettingsError(f"{name}: {exc}") from None
+
     @property
     def uses_simulator(self) -> bool:
-        return self.openai_api_key is None
+        return self.openai_api_key is None and not (self.upstreams or self.upstreams_file)
 
     @property
     def uses_embedded_postgres(self) -> bool:
@@ -305,17 +326,32 @@ def _field_type(f: dataclasses.Field[Any]) -> str:
     return str(f.type).replace(" | None", "")
 
 
+# The spellings a boolean setting accepts (any case); anything else is refused, so that a
+# typo ("ture") cannot quietly mean false.
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+
+
 def _cast(name: str, raw: str, type_name: str) -> Any:
+    if type_name == "bool":
+        return _boolean(name, raw)
     try:
         if type_name == "int":
             return int(raw.replace("_", ""))
         if type_name == "float":
             return float(raw)
-        if type_name == "bool":
-            return raw.strip().lower() in ("1", "true", "yes", "on")
         return raw
     except ValueError:
         raise SettingsError(f"{env_name(name)} must be a {type_name}, got {raw!r}") from None
+
+
+def _boolean(name: str, raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise SettingsError(f"{env_name(name)} must be true/false, 1/0, yes/no or on/off, got {raw!r}")
 
 
 def display_url(url: str) -> str:

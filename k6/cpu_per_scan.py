@@ -34,7 +34,7 @@ SIM_TIME_SCALE = "0.215"
 ANSWER_TOKENS = "60"
 # The service's settings for that load (k6/cpu_side_by_side.py uses them too). The stage
 # gates are sized by Little's law (≤ 200 calls in progress per stage with 200 users), as
-# the README's VISION_CONCURRENCY row says to: at the default 64 they, not the CPU, held
+# docs/configuration.md's VISION_CONCURRENCY row says to: at the default 64 they, not the CPU, held
 # one process near 56 scans/s.
 RECIPE_SETTINGS = {
     "MAX_INFLIGHT_SCANS": "4000",

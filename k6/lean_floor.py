@@ -62,7 +62,7 @@ from app.settings import Settings
 from app.stages import answer as answer_stage
 from app.stages import vision as vision_stage
 from app.stages.order import STAGES
-from app.upstream.client import safety_identifier
+from app.upstream.call import safety_identifier
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -268,7 +268,10 @@ async def run_scan(client: httpx.AsyncClient, **request: Any) -> ScanOutcome:
             return ScanOutcome(response.status_code, response.headers, body=response.json())
         outcome = ScanOutcome(200, response.headers)
         async for sse in source.aiter_sse():
-            outcome.events.append(Event(sse.event, sse.id, json.loads(sse.data)))
+            # Every event the service sends has data; httpx-sse can report a spurious empty
+            # one when a frame's CRLF is split across two reads (the raw bytes are whole).
+            if sse.data:
+                outcome.events.append(Event(sse.event, sse.id, json.loads(sse.data)))
         return outcome
 
 

@@ -74,9 +74,10 @@ def answer_text(outcome: ScanOutcome) -> str:
 
 
 def without_run_details(event: Event) -> dict[str, Any]:
-    # What differs run to run: ids, times, the reward (owned the second time), and the
-    # numbering, since a cached answer comes as one delta rather than many.
-    ignored = ("job_id", "seq", "progress", "duration_ms", "timings", "reward")
+    # What differs run to run: ids, times, the reward (owned the second time), the
+    # numbering, since a cached answer comes as one delta rather than many, and which
+    # deployment served each call (none, for a cached reply).
+    ignored = ("job_id", "seq", "progress", "duration_ms", "timings", "reward", "upstreams")
     return {k: v for k, v in event.data.items() if k not in ignored}
 
 

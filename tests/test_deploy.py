@@ -8,8 +8,12 @@ offline with the real tools where they exist and with schemas always.
   replica gets (its env file, the wiring, the secrets deploy/make-secrets.sh makes, read
   through `Settings.from_env`, so a misspelt variable fails), images built here rather
   than pulled, the Prometheus and Grafana files. tests/test_compose_up.py brings it up.
-- k8s/: every manifest against the Kubernetes schemas kubernetes-validate bundles (strict:
-  unknown fields fail), then the drain arithmetic, probes and the references between them.
+- k8s/: the base and each overlay rendered by `kubectl kustomize` (Debian's kubernetes-client
+  or any newer kubectl), every object against the Kubernetes schemas kubernetes-validate
+  bundles (strict: unknown fields fail; the Prometheus Operator's PodMonitor, whose CRD is
+  not among them, by hand), then what keeps production safe (no demo object in the base,
+  the demo fenced in its namespace), the drain, keep-alive and connection arithmetic,
+  probes, TLS, who may connect, and the references between them.
 - the dashboard: every PromQL expression parses (promql-parser) and names only metrics a
   running service exports (scraped from /metrics after a scan) with labels they carry.
 """
@@ -17,7 +21,8 @@ offline with the real tools where they exist and with schemas always.
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
+import importlib
 import ipaddress
 import json
 import re
@@ -34,11 +39,11 @@ import jsonschema  # type: ignore[import-untyped]
 import kubernetes_validate  # type: ignore[import-untyped]
 import promql_parser
 import pytest
-import uvicorn
 import yaml  # type: ignore[import-untyped]
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.errors import Overloaded
 from app.http.protocol import HttpToolsProtocol
 from app.images.limits import ImageLimits
 from app.intake.parsing import InputLimits
@@ -62,6 +67,23 @@ DATASOURCES = GRAFANA / "provisioning" / "datasources" / "prometheus.yaml"
 DASHBOARD_PROVIDERS = GRAFANA / "provisioning" / "dashboards" / "ecoscan.yaml"
 DASHBOARD = GRAFANA / "dashboards" / "ecoscan.json"
 K8S = DEPLOY / "k8s"
+K8S_BASE = K8S / "base"
+K8S_DEV = K8S / "overlays" / "dev"
+K8S_MONITORING = K8S / "monitoring"
+KUSTOMIZATIONS = (K8S_BASE, K8S_DEV, K8S_MONITORING)
+DEV_NAMESPACE = "ecoscan-dev"
+DOCKERFILE = REPO / "Dockerfile"
+PROMETHEUS_OPERATOR_API = "monitoring.coreos.com/v1"
+# Pods at all times (the autoscaler's minimum).
+REPLICAS = 3
+# ingress-nginx's upstream-keepalive-timeout (its controller ConfigMap) when not set, s.
+INGRESS_NGINX_UPSTREAM_KEEPALIVE_S = 60
+# A managed PostgreSQL's usual max_connections, the connections it keeps for superusers
+# (superuser_reserved_connections), and room for every other client (migrations by hand,
+# psql, backups, monitoring): what the pods may take together is the rest.
+MANAGED_POSTGRES_MAX_CONNECTIONS = 100
+POSTGRES_RESERVED_CONNECTIONS = 3
+OTHER_DATABASE_CLIENTS = 20
 
 # Series Prometheus makes itself for every target, not scraped from it.
 PROMETHEUS_SERIES = frozenset({"up"})
@@ -84,6 +106,38 @@ DASHBOARD_MUST_CHART = frozenset(
         "ecoscan_event_loop_lag_seconds_bucket",
         "ecoscan_budget_shared",
         "ecoscan_budget_redis_calls_total",
+        # ...and what it lacked: scans lost with their process, the reply caches,
+        # admission refusals, Redis failures and round trips.
+        "ecoscan_scans_lost_total",
+        "ecoscan_cache_requests_total",
+        "ecoscan_cache_bytes",
+        "ecoscan_admission_rejected_total",
+        "ecoscan_user_caps_redis_errors_total",
+        "ecoscan_scan_stream_mirror_failures_total",
+        "ecoscan_budget_redis_call_seconds_bucket",
+        # Routing over deployments.
+        "ecoscan_upstream_routed_total",
+        "ecoscan_upstream_state",
+        "ecoscan_upstream_failovers_total",
+    }
+)
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+ALERTS_TESTS = DEPLOY / "prometheus" / "alerts.test.yml"
+# Series alert rules may use from another exporter, with their labels: kube-state-metrics',
+# which a Kubernetes Prometheus scrapes (compose's has none: those rules stay silent there).
+OTHER_EXPORTERS = {"kube_pod_status_ready": frozenset({"namespace", "pod", "uid", "condition"})}
+# What the alert rules must watch (issue: alerts that are tested).
+ALERTS_MUST_WATCH = frozenset(
+    {
+        "ecoscan_budget_effective_limit_per_minute",
+        "ecoscan_upstream_rate_limited_total",
+        "ecoscan_upstream_state",
+        "ecoscan_event_loop_lag_seconds_bucket",
+        "ecoscan_scans_lost_total",
+        "ecoscan_scan_rows_deferred",
+        "ecoscan_budget_redis_calls_total",
+        "ecoscan_user_caps_redis_errors_total",
+        "kube_pod_status_ready",
     }
 )
 # Grafana's variables, replaced by something PromQL parses.
@@ -355,7 +409,7 @@ def test_each_replica_gets_settings_the_service_accepts(compose: dict[str, Any],
         "/" + database_env["POSTGRES_DB"],
     )
     assert settings.redis_prefix
-    # The default models' Tier 1 limits (README "Models"): gpt-4o-mini has 200k TPM.
+    # The default models' Tier 1 limits (docs/configuration.md, "Models"): gpt-4o-mini has 200k TPM.
     assert (settings.vision_model, settings.answer_model) == ("gpt-4o-mini", "gpt-4o-mini")
     assert (settings.openai_rpm, settings.openai_tpm) == (500, 200_000)
     # PostgreSQL takes every replica's pool (and its LISTEN connection) with room to scale.
@@ -472,10 +526,12 @@ def test_load_balancer_is_configured_for_sse(compose: dict[str, Any]) -> None:
     assert 'Connection ""' in d["proxy_set_header"]
     upstream = nginx_block("upstream ecoscan")
     assert re.search(r"\bkeepalive\s+\d+;", upstream)
-    # ...closed by nginx before uvicorn's idle timeout closes them under a request.
+    # ...closed by nginx before the replicas' uvicorn (the image's command) closes them
+    # under a request.
     keepalive_timeout = re.search(r"\bkeepalive_timeout\s+(\S+);", upstream)
     assert keepalive_timeout
-    uvicorn_idle = inspect.signature(uvicorn.Config).parameters["timeout_keep_alive"].default
+    assert "command" not in compose["services"]["ecoscan"], "the replicas run the image's command"
+    uvicorn_idle = uvicorn_options(dockerfile_command())["timeout_keep_alive"]
     assert seconds(keepalive_timeout[1]) < uvicorn_idle
     # Every replica of the compose service: the name resolves to all of them when nginx
     # loads its configuration, and the image's entrypoint reloads nginx when that set of
@@ -521,6 +577,60 @@ def test_prometheus_scrapes_every_replica(compose: dict[str, Any]) -> None:
     assert any(
         str(m).startswith("./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml") for m in mounts
     )
+    # The rule files it names, beside it in the container as they are beside it here.
+    for rules in config.get("rule_files", []):
+        assert f"./prometheus/{rules}:/etc/prometheus/{rules}:ro" in mounts, rules
+
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if found is None:
+        pytest.fail("promtool checks the alert rules: apt-get install -y --no-install-recommends prometheus")
+    return found
+
+
+def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([promtool(), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_prometheus_loads_the_alert_rules() -> None:
+    """prometheus.yml names alerts.yml (beside it, as compose mounts the config), and
+    `promtool check config` follows it there."""
+    config = load_yaml(PROMETHEUS_CONFIG)
+    assert [(PROMETHEUS_CONFIG.parent / f).resolve() for f in config["rule_files"]] == [ALERTS.resolve()]
+    result = run_promtool("check", "config", str(PROMETHEUS_CONFIG))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
+    check = run_promtool("check", "rules", str(ALERTS))
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = run_promtool("test", "rules", str(ALERTS_TESTS))
+    assert tests.returncode == 0, tests.stdout + tests.stderr
+
+
+def test_alert_unit_tests_fail_a_broken_rule(tmp_path: Path) -> None:
+    """The unit tests bite: a threshold moved, and the alert no longer fires where they say."""
+    shutil.copy(ALERTS_TESTS, tmp_path / ALERTS_TESTS.name)
+    (tmp_path / ALERTS.name).write_text(mutated(ALERTS.read_text(), "> 0.1\n", "> 0.5\n"))
+    result = run_promtool("test", "rules", str(tmp_path / ALERTS_TESTS.name))
+    assert result.returncode != 0 and "EcoscanEventLoopLagHigh" in result.stdout + result.stderr
+
+
+def test_every_alert_is_tested_firing_and_silent() -> None:
+    rules = [rule for group in load_yaml(ALERTS)["groups"] for rule in group["rules"]]
+    alerts = {rule["alert"] for rule in rules}
+    for rule in rules:
+        assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
+        assert {"summary", "description"} <= rule["annotations"].keys(), rule["alert"]
+    fired: set[str] = set()
+    silent: set[str] = set()
+    for case in load_yaml(ALERTS_TESTS)["tests"]:
+        for check in case.get("alert_rule_test", []):
+            (fired if check.get("exp_alerts") else silent).add(check["alertname"])
+    assert alerts <= fired, f"never seen firing: {sorted(alerts - fired)}"
+    assert alerts <= silent, f"never seen silent: {sorted(alerts - silent)}"
+    assert fired | silent <= alerts, f"tests of no rule: {sorted((fired | silent) - alerts)}"
 
 
 def provisioned_datasource() -> dict[str, Any]:
@@ -581,6 +691,13 @@ def test_dashboard_refers_to_the_provisioned_datasource() -> None:
 
 
 # --------------------------------------------------------------------------- the dashboard's queries
+
+
+def alert_queries() -> Iterator[tuple[str, str]]:
+    """(alert name, PromQL) for every rule in alerts.yml."""
+    for group in load_yaml(ALERTS)["groups"]:
+        for rule in group["rules"]:
+            yield f"{group['name']}/{rule.get('alert') or rule.get('record')}", rule["expr"]
 
 
 def dashboard_queries() -> Iterator[tuple[str, str]]:
@@ -673,36 +790,64 @@ async def exposition(database_url: str, sim: RunningSimulator) -> tuple[str, Met
         return response.text, metrics
 
 
+def query_problems(
+    where: str, query: str, series: Mapping[str, set[str] | frozenset[str]], named: set[str]
+) -> list[str]:
+    """What is wrong with one PromQL query against the exported series (-> label names): it
+    does not parse, names a series nobody exports, or a label the series do not carry
+    (in a selector, `by (...)` or `on (...)`). Adds every series it names to `named`."""
+    try:
+        expr = promql_parser.parse(query)
+    except Exception as exc:  # the parser raises a plain ValueError-like error
+        return [f"{where}: {query!r} is not PromQL: {exc}"]
+    problems = []
+    for selector in selectors(expr):
+        name = selector_name(selector)
+        named.add(name)
+        if name in PROMETHEUS_SERIES:
+            continue
+        if name not in series:
+            problems.append(f"{where}: {name} is not exported")
+            continue
+        labels = {m.name for m in selector.matchers.matchers} - {"__name__"}
+        unknown = labels - series[name] - TARGET_LABELS
+        if unknown:
+            problems.append(f"{where}: {name} has no label {sorted(unknown)}")
+
+    # Labels the query makes itself (label_replace's and label_join's destination).
+    made = {
+        call.args[1].val
+        for call in nodes_of(expr, promql_parser.Call)
+        if call.func.name in ("label_replace", "label_join")
+    }
+
+    def available(node: promql_parser.Expr) -> set[str]:
+        exported = (series.get(selector_name(s), set()) for s in selectors(node))
+        return set(TARGET_LABELS).union(made, *exported)
+
+    for aggregation in aggregations(expr):
+        if aggregation.modifier is None or aggregation.modifier.type != promql_parser.AggModifierType.By:
+            continue
+        unknown = set(aggregation.modifier.labels) - available(aggregation.expr)
+        if unknown:
+            names = [selector_name(s) for s in selectors(aggregation.expr)]
+            problems.append(f"{where}: `by ({', '.join(sorted(unknown))})` over {names}: no such label")
+    for binary in nodes_of(expr, promql_parser.BinaryExpr):
+        matching = binary.modifier.matching if binary.modifier else None
+        if matching is not None and matching.type == promql_parser.LabelModifierType.Include:
+            for side in (binary.lhs, binary.rhs):
+                unknown = set(matching.labels) - available(side)
+                if unknown:
+                    problems.append(f"{where}: `on ({', '.join(sorted(unknown))})`: no such label")
+    return problems
+
+
 async def test_dashboard_charts_only_metrics_the_service_exports(exposition: tuple[str, Metrics]) -> None:
     series = exported_series(*exposition)
     charted: set[str] = set()
     problems: list[str] = []
     for title, query in dashboard_queries():
-        try:
-            expr = promql_parser.parse(query)
-        except Exception as exc:  # the parser raises a plain ValueError-like error
-            problems.append(f"{title}: {query!r} is not PromQL: {exc}")
-            continue
-        for selector in selectors(expr):
-            name = selector_name(selector)
-            charted.add(name)
-            if name in PROMETHEUS_SERIES:
-                continue
-            if name not in series:
-                problems.append(f"{title}: {name} is not exported")
-                continue
-            labels = {m.name for m in selector.matchers.matchers} - {"__name__"}
-            unknown = labels - series[name] - TARGET_LABELS
-            if unknown:
-                problems.append(f"{title}: {name} has no label {sorted(unknown)}")
-        for aggregation in aggregations(expr):
-            if aggregation.modifier is None or aggregation.modifier.type != promql_parser.AggModifierType.By:
-                continue
-            names = [selector_name(s) for s in selectors(aggregation.expr)]
-            available = set(TARGET_LABELS).union(*(series.get(n, set()) for n in names))
-            unknown = set(aggregation.modifier.labels) - available
-            if unknown:
-                problems.append(f"{title}: `by ({', '.join(sorted(unknown))})` over {names}: no such label")
+        problems += query_problems(title, query, series, charted)
     assert not problems, "\n".join(problems)
     assert not DASHBOARD_MUST_CHART - charted, sorted(DASHBOARD_MUST_CHART - charted)
     # The replica picker's values come from an exported metric too.
@@ -710,6 +855,32 @@ async def test_dashboard_charts_only_metrics_the_service_exports(exposition: tup
     query = variable["query"]["query"] if isinstance(variable["query"], dict) else variable["query"]
     match = re.fullmatch(r"label_values\((\w+),\s*instance\)", query)
     assert match and match[1] in series, query
+
+
+async def test_alert_rules_watch_only_metrics_the_service_exports(exposition: tuple[str, Metrics]) -> None:
+    series: dict[str, set[str] | frozenset[str]] = {**exported_series(*exposition), **OTHER_EXPORTERS}
+    watched: set[str] = set()
+    problems: list[str] = []
+    for name, query in alert_queries():
+        problems += query_problems(name, query, series, watched)
+    assert not problems, "\n".join(problems)
+    assert not ALERTS_MUST_WATCH - watched, sorted(ALERTS_MUST_WATCH - watched)
+
+
+def test_refused_panel_counts_only_refusals_for_capacity() -> None:
+    """The overview's "Refused" counted every rejected request (400s, 413s...); it counts the
+    429/503 refusals for capacity: exactly the codes of `Overloaded` (app/errors.py)."""
+    (panel,) = [p for p in panels() if p["title"].startswith("Refused")]
+    (target,) = panel["targets"]
+    match = re.search(r'outcome="rejected",code=~"([A-Z_|]+)"', target["expr"])
+    assert match, target["expr"]
+
+    def codes(cls: type[Overloaded]) -> set[str]:
+        return {cls.code}.union(*(codes(sub) for sub in cls.__subclasses__()))
+
+    assert set(match[1].split("|")) == codes(Overloaded)
+    titles = [p["title"] for p in panels()]
+    assert len(titles) == len(set(titles)), "two panels share a title"
 
 
 def test_dashboard_queries_follow_the_replica_picker() -> None:
@@ -726,14 +897,33 @@ def test_dashboard_queries_follow_the_replica_picker() -> None:
 # --------------------------------------------------------------------------- kubernetes
 
 
-def k8s_documents() -> list[tuple[Path, dict[str, Any]]]:
-    found = [
-        (path, doc)
-        for path in sorted(K8S.rglob("*.yaml"))
-        for doc in yaml.safe_load_all(path.read_text())
-        if doc
-    ]
-    assert found, "no manifests in deploy/k8s"
+def kubectl() -> str:
+    found = shutil.which("kubectl")
+    if found is None:
+        pytest.fail("`kubectl kustomize` renders deploy/k8s: apt-get install -y kubernetes-client")
+    return found
+
+
+@functools.cache
+def _rendered(directory: Path) -> str:
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(directory)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, f"kubectl kustomize {directory.relative_to(REPO)}: {result.stderr}"
+    return result.stdout
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """The objects `kubectl kustomize` makes of a kustomization (fresh copies)."""
+    found = [doc for doc in yaml.safe_load_all(_rendered(directory)) if doc]
+    assert found, f"{directory.relative_to(REPO)} renders nothing"
+    return found
+
+
+def objects(directory: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """A kustomization's objects by (kind, name)."""
+    found = {(doc["kind"], doc["metadata"]["name"]): doc for doc in kustomize(directory)}
+    assert len(found) == len(kustomize(directory)), "two objects of one kind share a name"
     return found
 
 
@@ -753,35 +943,106 @@ def k8s_errors(document: dict[str, Any], version: str) -> str | None:
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-def test_k8s_manifests_match_the_kubernetes_schemas(version: str) -> None:
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS, ids=lambda d: str(d.relative_to(K8S)))
+def test_k8s_kustomizations_render_objects_the_kubernetes_schemas_accept(
+    kustomization: Path, version: str
+) -> None:
+    """Every object the base and each overlay make, as `kubectl kustomize` makes it, against
+    the API schemas (strict). The Prometheus Operator's objects are not in them: their shape
+    is checked by hand (test_k8s_pod_monitor_scrapes_every_pod)."""
     errors = []
-    for path, document in k8s_documents():
+    for document in kustomize(kustomization):
+        if document["apiVersion"] == PROMETHEUS_OPERATOR_API:
+            assert document["kind"] == "PodMonitor", document["kind"]
+            continue
         error = k8s_errors(document, version)
         if error:
-            errors.append(
-                f"{path.relative_to(REPO)} {document['kind']}/{document['metadata']['name']}: {error}"
-            )
+            errors.append(f"{document['kind']}/{document['metadata']['name']}: {error}")
     assert not errors, "\n".join(errors)
 
 
 def test_k8s_schema_check_rejects_broken_manifests() -> None:
-    text = (K8S / "deployment.yaml").read_text()
+    text = (K8S_BASE / "deployment.yaml").read_text()
     for old, new in (
         ("readinessProbe:", "readinesProbe:"),
         ("terminationGracePeriodSeconds: 45", "terminationGracePeriodSeconds: soon"),
         ("maxUnavailable: 0", "maxUnavailable: [0]"),
+        ("secretKeyRef:", "secretKeyReference:"),
     ):
         assert k8s_errors(yaml.safe_load(mutated(text, old, new)), K8S_VERSIONS[-1]), f"accepted {new!r}"
 
 
-def manifests() -> dict[tuple[str, str], dict[str, Any]]:
-    """The production manifests (deploy/k8s/*.yaml, not demo/) by (kind, name)."""
-    return {
-        (doc["kind"], doc["metadata"]["name"]): doc
-        for path in sorted(K8S.glob("*.yaml"))
-        for doc in yaml.safe_load_all(path.read_text())
-        if doc
+def test_k8s_kustomize_rejects_a_missing_file(tmp_path: Path) -> None:
+    """The render is real: a kustomization naming a file that is not there fails."""
+    shutil.copytree(K8S, tmp_path / "k8s")
+    (tmp_path / "k8s" / "base" / "pdb.yaml").unlink()
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(tmp_path / "k8s" / "overlays" / "dev")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode != 0 and "pdb.yaml" in result.stderr, result.stderr
+
+
+def test_kubectl_apply_on_deploy_k8s_applies_nothing() -> None:
+    """`kubectl apply -f deploy/k8s/` once applied the demo Secret over a real one: now the
+    folder holds only kustomizations, and the demo's own files name their namespace."""
+    assert not [p.name for p in K8S.iterdir() if p.is_file() and p.suffix in (".yaml", ".yml", ".json")]
+    for path in sorted(K8S_DEV.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") not in ("Kustomization", "Namespace"):
+                assert doc["metadata"].get("namespace") == DEV_NAMESPACE, f"{path.name}: {doc['kind']}"
+
+
+def test_k8s_base_holds_only_what_production_runs() -> None:
+    """No Secret, database, Redis or namespace in the base; the pods need a Secret of yours,
+    every key of it, before they start (nothing falls back to a demo default)."""
+    found = objects(K8S_BASE)
+    assert {kind for kind, _ in found} == {
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "Ingress",
+        "NetworkPolicy",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
     }
+    assert {name for _, name in found} == {"ecoscan", "ecoscan-settings"}
+    for document in found.values():
+        assert "namespace" not in document["metadata"], document["kind"]
+    (container,) = the("Deployment", found)["spec"]["template"]["spec"]["containers"]
+    assert [s for s in container["envFrom"] if "secretRef" in s] == []
+    from_secret = {
+        item["name"]: item["valueFrom"]["secretKeyRef"]
+        for item in container["env"]
+        if "secretKeyRef" in item.get("valueFrom", {})
+    }
+    assert set(from_secret) >= {"DATABASE_URL", "REDIS_URL", "OPENAI_API_KEY"}
+    for name, ref in from_secret.items():
+        assert ref["key"] == name and not ref.get("optional", False), name
+
+
+def test_k8s_dev_overlay_is_the_base_plus_the_demo_in_its_own_namespace() -> None:
+    base, dev = objects(K8S_BASE), objects(K8S_DEV)
+    assert base.keys() <= dev.keys()
+    demo = {key for key in dev.keys() - base.keys() if key[0] != "Namespace"}
+    assert demo == {
+        ("Secret", "ecoscan-secrets"),
+        ("Deployment", "postgres"),
+        ("Service", "postgres"),
+        ("Deployment", "redis"),
+        ("Service", "redis"),
+    }
+    assert ("Namespace", DEV_NAMESPACE) in dev
+    for (kind, name), document in dev.items():
+        if kind != "Namespace":
+            assert document["metadata"]["namespace"] == DEV_NAMESPACE, f"{kind}/{name}"
+    # The overlay adds; it changes nothing the base says (but the namespace).
+    for key, document in base.items():
+        del dev[key]["metadata"]["namespace"]
+        assert dev[key] == document, f"the dev overlay changes {key}"
 
 
 def the(kind: str, found: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
@@ -789,41 +1050,172 @@ def the(kind: str, found: dict[tuple[str, str], dict[str, Any]]) -> dict[str, An
     return doc
 
 
-def k8s_settings(found: dict[tuple[str, str], dict[str, Any]], container: dict[str, Any]) -> Settings:
+def the_named(kind: str, name: str, found: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    assert (kind, name) in found, f"no {kind}/{name}"
+    return found[kind, name]
+
+
+def k8s_env(found: dict[tuple[str, str], dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    """The environment the container gets from these objects (the ConfigMap, the Secret)."""
     env: dict[str, str] = {}
-    for source in container["envFrom"]:
-        if "configMapRef" in source:
-            env.update(found["ConfigMap", source["configMapRef"]["name"]]["data"])
-        else:
-            env.update(found["Secret", source["secretRef"]["name"]]["stringData"])
+    for source in container.get("envFrom", []):
+        env.update(the_named("ConfigMap", source["configMapRef"]["name"], found)["data"])
     for item in container.get("env", []):
-        env[item["name"]] = item.get("value", "")
-    return settings_from(env, "deploy/k8s ConfigMap + Secret")
+        if "value" in item or "valueFrom" not in item:
+            env[item["name"]] = item.get("value", "")
+            continue
+        ref = item["valueFrom"]["secretKeyRef"]
+        secret = the_named("Secret", ref["name"], found)["stringData"]
+        assert ref["key"] in secret, f"the Secret {ref['name']} has no key {ref['key']}"
+        env[item["name"]] = secret[ref["key"]]
+    return env
+
+
+def k8s_settings(found: dict[tuple[str, str], dict[str, Any]], container: dict[str, Any]) -> Settings:
+    return settings_from(k8s_env(found, container), "deploy/k8s/overlays/dev: ConfigMap + Secret")
+
+
+def ecoscan_container(found: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    (container,) = the_named("Deployment", "ecoscan", found)["spec"]["template"]["spec"]["containers"]
+    assert isinstance(container, dict)
+    return container
 
 
 def test_k8s_drain_fits_the_termination_grace_period() -> None:
-    found = manifests()
-    pod = the("Deployment", found)["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    settings = k8s_settings(found, container)
-    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    found = objects(K8S_DEV)
+    pod = the_named("Deployment", "ecoscan", found)["spec"]["template"]["spec"]
+    settings = k8s_settings(found, ecoscan_container(found))
+    command = ecoscan_container(found)["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep"
     pre_stop = float(command[1])
     # Endpoints are removed while preStop sleeps; then SIGTERM starts the drain.
     assert 2 <= pre_stop <= 15
     assert pod["terminationGracePeriodSeconds"] >= pre_stop + settings.shutdown_drain_s + CLOSE_MARGIN_S
-    assert settings.redis_url is not None and settings.database_url is not None
     assert settings.redis_prefix
 
 
+def test_k8s_dev_secret_points_at_the_demo_services() -> None:
+    found = objects(K8S_DEV)
+    settings = k8s_settings(found, ecoscan_container(found))
+    assert settings.uses_simulator, "the demo has no OpenAI key: the simulator"
+    assert settings.database_url is not None and settings.redis_url is not None
+    db_host, db_port = url_host_port(settings.database_url)
+    postgres = the_named("Service", str(db_host), found)
+    assert db_port == postgres["spec"]["ports"][0]["port"]
+    (server,) = the_named("Deployment", str(db_host), found)["spec"]["template"]["spec"]["containers"]
+    server_env = {item["name"]: item["value"] for item in server["env"]}
+    db_url = urllib.parse.urlsplit(settings.database_url)
+    assert (db_url.username, db_url.password, db_url.path) == (
+        server_env["POSTGRES_USER"],
+        server_env["POSTGRES_PASSWORD"],
+        "/" + server_env["POSTGRES_DB"],
+    )
+    redis_host, redis_port = url_host_port(settings.redis_url)
+    assert redis_port == the_named("Service", str(redis_host), found)["spec"]["ports"][0]["port"]
+    # The demo PostgreSQL takes the most pods there can be.
+    args = server["args"]
+    max_connections = int(args[args.index("-c") + 1].split("=", 1)[1])
+    assert max_connections >= most_pods(found) * (settings.db_pool_max + 1)
+
+
+def most_pods(found: dict[tuple[str, str], dict[str, Any]]) -> int:
+    """Pods running at once at most: the autoscaler's maximum plus a rollout's surge."""
+    surge = the_named("Deployment", "ecoscan", found)["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
+    assert isinstance(surge, int), "maxSurge as a count, so the arithmetic below holds"
+    maximum: int = the("HorizontalPodAutoscaler", found)["spec"]["maxReplicas"]
+    return maximum + surge
+
+
+def test_k8s_database_connections_fit_a_managed_postgres() -> None:
+    """The arithmetic configmap.yaml states: every pod's pool and LISTEN connection, at the
+    most pods there can be, within a managed PostgreSQL's 100 connections less its
+    superuser reservation and room for everything else."""
+    found = objects(K8S_BASE)
+    data = the_named("ConfigMap", "ecoscan-settings", found)["data"]
+    settings = Settings.from_env(data)
+    per_pod = settings.db_pool_max + 1  # the pool, and the rule cache's LISTEN connection
+    available = MANAGED_POSTGRES_MAX_CONNECTIONS - POSTGRES_RESERVED_CONNECTIONS - OTHER_DATABASE_CLIENTS
+    assert most_pods(found) * per_pod <= available, (most_pods(found), per_pod, available)
+    assert settings.db_pool_min <= settings.db_pool_max
+    stated = f"{most_pods(found)} pods x ({settings.db_pool_max} + 1) = {most_pods(found) * per_pod}"
+    assert stated in (K8S_BASE / "configmap.yaml").read_text(), f"configmap.yaml should say {stated!r}"
+
+
+def dockerfile_command() -> list[str]:
+    """The image's CMD (exec form)."""
+    (line,) = [line for line in DOCKERFILE.read_text().splitlines() if line.startswith("CMD [")]
+    command: list[str] = json.loads(line.removeprefix("CMD"))
+    return command
+
+
+def uvicorn_options(command: list[str]) -> dict[str, Any]:
+    """uvicorn's own reading of its command line (an unknown flag fails)."""
+    assert command[0] == "uvicorn", command
+    cli = importlib.import_module("uvicorn.main").main
+    params: dict[str, Any] = cli.make_context("uvicorn", list(command[1:])).params
+    return params
+
+
+def test_k8s_keep_alive_outlasts_the_ingress() -> None:
+    """uvicorn keeps idle connections longer than ingress-nginx does, so nginx never sends a
+    request into a connection uvicorn is closing; the pods run the image's own command."""
+    container = ecoscan_container(objects(K8S_BASE))
+    assert "command" not in container
+    assert container["args"] == dockerfile_command()
+    options = uvicorn_options(container["args"])
+    assert options["timeout_keep_alive"] > INGRESS_NGINX_UPSTREAM_KEEPALIVE_S
+    assert (options["app"], options["port"], options["http"]) == (
+        "app.main:app",
+        8000,
+        "app.http.protocol:HttpToolsProtocol",
+    )
+
+
+def test_k8s_ingress_terminates_tls() -> None:
+    ingress = the("Ingress", objects(K8S_BASE))
+    annotations = ingress["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/ssl-redirect"] == "true"
+    assert annotations["nginx.ingress.kubernetes.io/force-ssl-redirect"] == "true"
+    covered = {host for tls in ingress["spec"]["tls"] if tls.get("secretName") for host in tls["hosts"]}
+    hosts = [rule["host"] for rule in ingress["spec"]["rules"]]
+    assert hosts and set(hosts) <= covered
+
+
+def test_k8s_only_the_ingress_controller_and_prometheus_reach_the_pods() -> None:
+    """FORWARDED_ALLOW_IPS trusts the pod network because the NetworkPolicy lets no pod but
+    the ingress controller (and Prometheus) connect: both halves of that story."""
+    found = objects(K8S_BASE)
+    pod_labels = the("Deployment", found)["spec"]["template"]["metadata"]["labels"]
+    policy = the("NetworkPolicy", found)["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    peers = {
+        (
+            peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+            peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"],
+        )
+        for peer in rule["from"]
+    }
+    assert peers == {("ingress-nginx", "ingress-nginx"), ("monitoring", "prometheus")}
+    assert len(rule["from"]) == len(peers)
+    for peer in rule["from"]:
+        assert set(peer) == {"namespaceSelector", "podSelector"}, peer  # no ipBlock, no "any"
+    trusted = the_named("ConfigMap", "ecoscan-settings", found)["data"]["FORWARDED_ALLOW_IPS"]
+    for entry in trusted.split(","):
+        network = ipaddress.ip_network(entry.strip())  # never "*"
+        assert network.is_private and network.prefixlen >= 12, f"{network}: a pod CIDR, not a whole range"
+
+
 def test_k8s_probes_and_references_agree() -> None:
-    found = manifests()
+    found = objects(K8S_BASE)
     deployment = the("Deployment", found)
     template = deployment["spec"]["template"]
     pod_labels = template["metadata"]["labels"]
-    (container,) = template["spec"]["containers"]
+    container = ecoscan_container(found)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports["http"] == 8000
+    assert ports["http"] == 8000 == uvicorn_options(container["args"])["port"]
 
     def probe(name: str) -> tuple[str, int]:
         get = container[name]["httpGet"]
@@ -846,9 +1238,10 @@ def test_k8s_probes_and_references_agree() -> None:
     hpa = the("HorizontalPodAutoscaler", found)
     target = hpa["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
-    # The HPA owns the replica count; evictions can always proceed one at a time.
+    # The autoscaler owns the count, at least REPLICAS (a count in the Deployment would
+    # reset it on every apply); evictions can always proceed one at a time.
     assert "replicas" not in deployment["spec"]
-    assert hpa["spec"]["minReplicas"] >= 2 and pdb["spec"].get("maxUnavailable") == 1
+    assert hpa["spec"]["minReplicas"] >= REPLICAS and pdb["spec"].get("maxUnavailable") == 1
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     # The Ingress sends the API to the Service, keeps /metrics private and fits SSE.
     ingress = the("Ingress", found)
@@ -856,7 +1249,7 @@ def test_k8s_probes_and_references_agree() -> None:
     assert annotations["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
     assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 3600
     body_limit = size_bytes(annotations["nginx.ingress.kubernetes.io/proxy-body-size"])
-    assert body_limit >= max_body_bytes(k8s_settings(found, container))
+    assert body_limit >= max_body_bytes(Settings.from_env(the("ConfigMap", found)["data"]))
     for rule in ingress["spec"]["rules"]:
         for path in rule["http"]["paths"]:
             backend = path["backend"]["service"]
@@ -872,3 +1265,34 @@ def ingress_path_matches(rule: dict[str, Any], request_path: str) -> bool:
         return bool(request_path == rule["path"])
     prefix = rule["path"].rstrip("/")
     return prefix == "" or request_path == prefix or request_path.startswith(prefix + "/")
+
+
+# The PodMonitor fields used here (monitoring.coreos.com/v1; the CRD's schema is not among
+# kubernetes-validate's): anything else is a typo the operator would drop in silence.
+POD_MONITOR_SPEC_KEYS = frozenset({"jobLabel", "selector", "podMetricsEndpoints", "namespaceSelector"})
+POD_MONITOR_ENDPOINT_KEYS = frozenset({"port", "path", "interval", "scrapeTimeout", "scheme"})
+
+
+def test_k8s_pod_monitor_scrapes_every_pod() -> None:
+    """The CRD object's shape by hand, and that it finds the base's pods on their metrics
+    port and labels them job="ecoscan" as compose's Prometheus does (the dashboard and the
+    alert rules select that job)."""
+    (monitor,) = kustomize(K8S_MONITORING)
+    assert (monitor["apiVersion"], monitor["kind"]) == (PROMETHEUS_OPERATOR_API, "PodMonitor")
+    assert set(monitor) == {"apiVersion", "kind", "metadata", "spec"}
+    assert monitor["metadata"]["name"] and "namespace" not in monitor["metadata"]
+    spec = monitor["spec"]
+    assert set(spec) <= POD_MONITOR_SPEC_KEYS and {"selector", "podMetricsEndpoints"} <= set(spec)
+    base = objects(K8S_BASE)
+    template = the("Deployment", base)["spec"]["template"]
+    assert spec["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert "namespaceSelector" not in spec  # the monitor's own namespace: the app's
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert set(endpoint) <= POD_MONITOR_ENDPOINT_KEYS
+    (container,) = template["spec"]["containers"]
+    assert endpoint["port"] in {p["name"] for p in container["ports"]}
+    assert endpoint.get("path", "/metrics") == "/metrics"
+    assert seconds(endpoint["scrapeTimeout"]) < seconds(endpoint["interval"]) <= 30
+    job = template["metadata"]["labels"][spec["jobLabel"]]
+    compose_jobs = [job["job_name"] for job in load_yaml(PROMETHEUS_CONFIG)["scrape_configs"]]
+    assert job == "ecoscan" and job in compose_jobs

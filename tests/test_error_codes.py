@@ -231,9 +231,8 @@ async def test_an_unexpected_error_before_the_stream_is_a_500_json_and_nothing_r
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A bug in accepting a scan, on the scan route's shortcut past FastAPI's stack
-    (app/main.py, EcoscanApp): the same JSON 500 and count as on any other route, one
-    logged traceback, no row."""
+    """A bug in accepting a scan (app/http/errors.py, JsonErrorRoute): the same JSON 500
+    and count as on any other route, one logged traceback, no row."""
 
     def broken_prepare(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
@@ -266,7 +265,7 @@ async def stream_scan(
     return events
 
 
-async def test_a_retry_that_diverges_stops_the_deltas_and_done_carries_the_answer(
+async def test_a_retry_that_writes_another_answer_replaces_the_text_after_a_discard(
     database_url: str, sim: RunningSimulator, db: asyncpg.Connection
 ) -> None:
     # The first answer attempt stalls halfway; while it is held, the simulator is told to
@@ -289,14 +288,17 @@ async def test_a_retry_that_diverges_stops_the_deltas_and_done_carries_the_answe
         events = await stream_scan(svc, request, shorten_the_retry)
         done = only_terminal(events)
         assert done.event == "done", done.data
-        streamed = "".join(e.data["text"] for e in events if e.event == "delta")
-        # Deltas stopped: all the client got is part of the first attempt's text...
+        names = [e.event for e in events]
+        assert names.count("discard") == 1
+        cut = names.index("discard")
+        streamed = "".join(e.data["text"] for e in events[:cut] if e.event == "delta")
+        # Before the discard: part of the first attempt's text...
         assert streamed and clean_text.startswith(streamed) and len(streamed) < len(clean_text)
-        # ...and the answer in `done` does not continue it: the client must replace its text.
+        # ...after it, the retry's whole text, which `done` carries: the client replaced it.
         final = done.data["answer"]
         assert final != clean.terminal.data["answer"]
-        assert not final["user_answer"].startswith(streamed)
-        assert not streamed.startswith(final["user_answer"])
+        rewritten = "".join(e.data["text"] for e in events[cut:] if e.event == "delta")
+        assert rewritten.startswith(final["user_answer"]) and not rewritten.startswith(streamed)
         assert timeout_retries(svc) == 1
         assert (await sim_stats(sim))["stalls_injected"] == 1
         row = await scan_row(db, done.data["job_id"])

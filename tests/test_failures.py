@@ -76,11 +76,12 @@ async def test_a_transient_429_is_absorbed_and_the_scan_completes(
     assert row["status"] == "completed"
 
 
-async def test_a_stream_retried_mid_answer_does_not_duplicate_streamed_text(
+async def test_a_stream_retried_mid_answer_is_discarded_once_and_sent_again_whole(
     database_url: str, sim: RunningSimulator
 ) -> None:
     # The first answer stream stalls halfway; the service's read timeout fires and the
-    # retry streams the same text again. The client must see it once.
+    # retry streams the text again from its start. The client is told once to drop what it
+    # had (`discard`), then gets the whole text: no piece twice, none missing.
     # The reply caches off: the second scan of the photo must reach the simulator.
     no_caches = {"vision_cache_entries": 0, "answer_cache_entries": 0}
     settings = settings_for(database_url, sim, openai_read_timeout_s=0.3, **no_caches)
@@ -96,8 +97,12 @@ async def test_a_stream_retried_mid_answer_does_not_duplicate_streamed_text(
                 if sse.event == "delta" and sum(e.event == "delta" for e in events) == 1:
                     await sim_configure(sim, stall_rate=0.0)  # only the first attempt stalls
         assert events[-1].event == "done", events[-1].data
-        assert "".join(e.data["text"] for e in events if e.event == "delta") == clean_text
+        names = [e.event for e in events]
+        assert names.count("discard") == 1
+        after = events[names.index("discard") :]
+        assert "".join(e.data["text"] for e in after if e.event == "delta") == clean_text
         assert events[-1].data["answer"] == clean.terminal.data["answer"]
+        assert svc.metric("ecoscan_upstream_stream_restarts_total", {"stage": "answer"}) == 1
         assert (
             svc.metric("ecoscan_upstream_retries_total", {"model": "gpt-4o-mini", "reason": "timeout"}) == 1
         )

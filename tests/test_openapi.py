@@ -160,11 +160,11 @@ async def test_scan_stream_response(service: Service) -> None:
     assert ok["headers"]["Idempotent-Replayed"]["required"] is False
     assert ok["headers"]["Idempotent-Replayed"]["schema"]["enum"] == ["true"]
     item = ok["content"]["text/event-stream"]["itemSchema"]
-    assert item["properties"]["event"]["enum"] == ["stage", "delta", "done", "error"]
+    assert item["properties"]["event"]["enum"] == ["stage", "delta", "discard", "done", "error"]
     by_event = {
         branch["properties"]["event"]["const"]: branch["properties"]["data"] for branch in item["oneOf"]
     }
-    assert set(by_event) == {"stage", "delta", "done", "error"}
+    assert set(by_event) == {"stage", "delta", "discard", "done", "error"}
     for data in by_event.values():
         assert data["contentMediaType"] == "application/json"
 
@@ -180,6 +180,7 @@ async def test_scan_stream_response(service: Service) -> None:
         "disposal_rules_reason",
         "answer",
         "reward",
+        "upstreams",
         "timings",
     }
     assert set(schema_of("error")["required"]) == common | {"code", "message", "retryable"}

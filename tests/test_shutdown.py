@@ -5,6 +5,7 @@ real PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,17 @@ async def refused_while_draining(svc: ServiceProcess) -> tuple[httpx.Response, h
         ready = await client.get("/readyz")
         scan = await client.post(SCAN_URL, json={"image_url": data_url(make_jpeg(1))})
         return ready, scan
+
+
+def lost_counted(metrics: httpx.Response) -> float:
+    """ecoscan_scans_lost_total in a /metrics answer."""
+    (value,) = re.findall(r"(?m)^ecoscan_scans_lost_total (\S+)$", metrics.text)
+    return float(value)
+
+
+def swept_in_log(log: str) -> int:
+    """Rows the process's sweeps marked PROCESS_LOST, as its log lines say."""
+    return sum(int(n) for n in re.findall(r"sweep: (\d+) scans of dead processes marked PROCESS_LOST", log))
 
 
 def assert_clean_log(log: str) -> None:
@@ -146,6 +158,15 @@ async def test_rows_of_a_killed_process_are_swept_as_process_lost_at_start_up(
             return all((r["status"], r["error_code"]) == ("failed", "PROCESS_LOST") for r in rows)
 
         assert await eventually(swept, attempts=100, interval=0.1), second.log
+        # Each row swept counts once in the sweeping process's ecoscan_scans_lost_total: these
+        # three, and any other dead process's rows it found (the log says how many).
+        async with httpx.AsyncClient(base_url=second.url, timeout=10) as client:
+
+            async def counted() -> bool:
+                return lost_counted(await client.get("/metrics")) == swept_in_log(second.log)
+
+            assert await eventually(counted, attempts=50, interval=0.1), second.log
+            assert lost_counted(await client.get("/metrics")) >= len(ids)
         # A live process's scans are never swept, by itself or by another process.
         live = await start_scans(second, 1)
         async with service_process(env, tmp_path / "third.log") as third:

@@ -308,6 +308,29 @@ async def test_tpm_exhaustion(sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClie
     assert int(caught.value.response.headers["retry-after-ms"]) > 0
 
 
+async def test_tpm_charges_prompt_plus_cap_at_arrival(
+    sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient
+) -> None:
+    # The sum, not max(prompt, cap): two calls of 490 fit a 1,000 TPM budget under the
+    # max reading (980) but not under the sum (2 x (prompt + 490) > 1,000).
+    probe = await sdk.chat.completions.create(model="gpt-4o", messages=TEXT_MESSAGES, max_tokens=5)
+    assert probe.usage is not None
+    prompt = probe.usage.prompt_tokens
+    await configure(sim_http, tpm=1000)
+    await sim_http.post("/sim/stats/reset")
+    reply = await sdk.chat.completions.create(model=MODEL, messages=TEXT_MESSAGES, max_tokens=490)
+    assert reply.usage is not None and reply.usage.completion_tokens < 490  # nothing given back
+    assert (await stats(sim_http))["tokens_charged_total"] == prompt + 490
+    with pytest.raises(openai.RateLimitError) as caught:
+        await sdk.chat.completions.create(model=MODEL, messages=TEXT_MESSAGES, max_tokens=490)
+    assert f"Requested {prompt + 490}" in caught.value.message
+    # No cap: the default completion reservation (4,096) is added to the prompt.
+    await configure(sim_http, tpm=100_000)
+    await sim_http.post("/sim/stats/reset")
+    await sdk.chat.completions.create(model=MODEL, messages=TEXT_MESSAGES)
+    assert (await stats(sim_http))["tokens_charged_total"] == prompt + 4096
+
+
 async def test_unlimited_omits_rate_headers(sdk: openai.AsyncOpenAI, sim_http: httpx.AsyncClient) -> None:
     await configure(sim_http, rpm=0, tpm=0)
     raw = await sdk.chat.completions.with_raw_response.create(model=MODEL, messages=TEXT_MESSAGES)

@@ -72,10 +72,10 @@ async def test_a_replayed_or_followed_stream_counts_as_open_while_it_is() -> Non
     log.append(ScanErrored("vision", "UPSTREAM_ERROR", "boom", True))
     replay = replayed_response("job", log, metrics, after=0, ping_s=0).body_iterator
     assert open_streams() == 0
-    assert b"event: error" in await anext(replay)  # type: ignore[call-overload]
+    assert b"event: error" in await anext(replay)
     assert open_streams() == 1
     with pytest.raises(StopAsyncIteration):
-        await anext(replay)  # type: ignore[call-overload]
+        await anext(replay)
     assert open_streams() == 0
 
     async def mirrored() -> AsyncIterator[LogEntry]:
@@ -83,7 +83,7 @@ async def test_a_replayed_or_followed_stream_counts_as_open_while_it_is() -> Non
             yield entry
 
     followed = followed_response("job", mirrored(), metrics, ping_s=0).body_iterator
-    await anext(followed)  # type: ignore[call-overload]
+    await anext(followed)
     assert open_streams() == 1
     await followed.aclose()  # type: ignore[attr-defined]  # the client went away
     assert open_streams() == 0

@@ -1,4 +1,4 @@
-"""`LeanEventSourceResponse` under a real uvicorn, over real sockets: the body goes out,
+"""`EventStreamResponse` under a real uvicorn, over real sockets: the body goes out,
 pings fill a quiet stream, a disconnect or a client that stops reading ends the body
 (its generator's `finally` runs) without a traceback."""
 
@@ -12,11 +12,12 @@ from typing import Any
 
 import httpx
 import pytest
+from sse_starlette import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from app.http.protocol import HttpToolsProtocol
 from app.runtime.serving import serve_in_loop
-from app.streaming.sse_response import LeanEventSourceResponse
+from app.streaming.sse_response import EventStreamResponse
 
 from .conftest import eventually
 
@@ -51,7 +52,7 @@ def app_for(body: Body, **options: Any) -> Callable[[Scope, Receive, Send], Any]
                 await send({"type": "lifespan.startup.complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return
-        await LeanEventSourceResponse(body(), **options)(scope, receive, send)
+        await EventStreamResponse(body(), **options)(scope, receive, send)
 
     return app
 
@@ -121,3 +122,28 @@ async def test_a_client_that_stops_reading_is_let_go_after_the_send_timeout(
     assert body.ended_by == "closed"
     assert await eventually(lambda: "stuck: the client stopped reading" in caplog.text)
     assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        None,
+        {"Cache-Control": "no-store", "X-Accel-Buffering": "no", "X-Scan-Id": "s", "X-Scan-Token": "t"},
+        {"cache-control": "no-cache", "Connection": "close", "Idempotent-Replayed": "true"},
+    ],
+)
+def test_the_headers_are_those_sse_starlette_sends(headers: dict[str, str] | None) -> None:
+    """Clients and proxies see the header list sse-starlette's `EventSourceResponse` sent."""
+    ours = EventStreamResponse(events(), ping=5, headers=headers)
+    theirs = EventSourceResponse(events(), ping=5, headers=headers)
+    assert ours.raw_headers == theirs.raw_headers
+
+
+async def test_head_gets_the_headers_and_no_stream() -> None:
+    body = Body(forever)
+    async with serve_in_loop(app_for(body, ping=5), http=HttpToolsProtocol) as url, httpx.AsyncClient() as c:
+        response = await asyncio.wait_for(c.head(url), 5)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert response.content == b""
+    assert body.ended_by is None and not body.closed.is_set()  # never started

@@ -11,7 +11,9 @@ import aiohttp
 import pytest
 from aiohttp.base_protocol import BaseProtocol
 
-from app.upstream.client import ChatResult, StallWatch, _Failed, _read_chunks, _read_completion, _until_eof
+from app.upstream.call import AttemptFailed, ChatResult
+from app.upstream.endpoint import StallWatch, until_eof
+from app.upstream.wire import read_chunks, read_completion
 
 
 def sse(chunk: Mapping[str, object]) -> bytes:
@@ -45,7 +47,7 @@ async def test_chunks_split_anywhere_give_the_same_text_and_usage(size: int) -> 
         return 0.0
 
     result = ChatResult()
-    usage = await _read_chunks(on_text, feed(body, size), asyncio.sleep, result)
+    usage = await read_chunks(on_text, feed(body, size), asyncio.sleep, result)
     assert usage == (12, 3, 0, 0)
     assert result.text == "분리배출 하세요"
     # After each read, the text so far: once per piece when the pieces come one by one.
@@ -75,7 +77,7 @@ async def test_the_reader_pauses_as_long_as_the_consumer_asks_and_nothing_is_los
 
     pieces = [sse(content(str(i))) for i in range(9)] + [sse(content("!", "stop")), b"data: [DONE]\n\n"]
     result = ChatResult()
-    await _read_chunks(every_other, timed(b"".join(pieces)), pause, result)
+    await read_chunks(every_other, timed(b"".join(pieces)), pause, result)
     assert result.text == "012345678!"
     assert pauses and all(p == 0.02 for p in pauses)
     assert len(pulls) > len(pauses) + 1  # no pause after a 0, nor after the end
@@ -87,8 +89,8 @@ async def test_the_reader_pauses_as_long_as_the_consumer_asks_and_nothing_is_los
 async def test_an_error_inside_the_stream_is_a_retryable_failure() -> None:
     body = sse(content("a")) + sse({"error": {"message": "overloaded"}})
 
-    with pytest.raises(_Failed) as failed:
-        await _read_chunks(ignore, feed(body, 5), asyncio.sleep, ChatResult())
+    with pytest.raises(AttemptFailed) as failed:
+        await read_chunks(ignore, feed(body, 5), asyncio.sleep, ChatResult())
     assert failed.value.retry and failed.value.reason == "stream_error"
 
 
@@ -98,8 +100,8 @@ async def ignore(_text: str) -> float:
 
 async def test_a_chunk_that_is_not_json_is_a_retryable_bad_chunk() -> None:
     body = sse(content("a")) + b"data: not json\n\n" + sse(content("b", "stop")) + b"data: [DONE]\n\n"
-    with pytest.raises(_Failed) as failed:
-        await _read_chunks(ignore, feed(body, 4096), asyncio.sleep, ChatResult())
+    with pytest.raises(AttemptFailed) as failed:
+        await read_chunks(ignore, feed(body, 4096), asyncio.sleep, ChatResult())
     assert failed.value.retry and failed.value.reason == "bad_chunk"
 
 
@@ -125,8 +127,8 @@ async def test_a_chunk_of_another_shape_fails_the_call_without_a_retry(odd: byte
     """Valid JSON that is not a chunk: never a crash of our own, and not retried (the
     same server would answer the same way, and each attempt is billed)."""
     body = sse(content("a")) + b"data: " + odd + b"\n\n" + sse(content("b", "stop")) + b"data: [DONE]\n\n"
-    with pytest.raises(_Failed) as failed:
-        await _read_chunks(ignore, feed(body, 4096), asyncio.sleep, ChatResult())
+    with pytest.raises(AttemptFailed) as failed:
+        await read_chunks(ignore, feed(body, 4096), asyncio.sleep, ChatResult())
     assert not failed.value.retry and failed.value.reason == "bad_shape"
 
 
@@ -141,7 +143,7 @@ async def test_refusal_pieces_are_collected_apart_from_content() -> None:
     }
     body = sse(refusal) + sse(tail) + sse({"choices": [], "usage": usage}) + b"data: [DONE]\n\n"
     result = ChatResult()
-    assert await _read_chunks(ignore, feed(body, 6), asyncio.sleep, result) == (2048, 9, 4, 1920)
+    assert await read_chunks(ignore, feed(body, 6), asyncio.sleep, result) == (2048, 9, 4, 1920)
     assert (result.refusal, result.text, result.finish_reason) == ("I can't help.", "", "stop")
 
 
@@ -154,15 +156,15 @@ async def test_a_pause_ends_on_its_timer_or_at_once_when_the_stream_ends() -> No
     loop = asyncio.get_running_loop()
     content = stream_reader()
     started = loop.time()
-    await _until_eof(content, 0.05)  # nothing ends it early
+    await until_eof(content, 0.05)  # nothing ends it early
     assert loop.time() - started >= 0.04
-    pausing = asyncio.create_task(_until_eof(content, 30))
+    pausing = asyncio.create_task(until_eof(content, 30))
     await asyncio.sleep(0.01)
     content.feed_eof()
     async with asyncio.timeout(1):  # woken by the end, not after 30 s
         await pausing
     async with asyncio.timeout(1):  # ended already: no wait at all
-        await _until_eof(content, 30)
+        await until_eof(content, 30)
 
 
 async def test_a_stall_watch_fails_a_body_only_after_a_whole_timeout_without_a_byte() -> None:
@@ -205,14 +207,14 @@ def test_a_whole_reply_gives_its_first_choice_and_usage() -> None:
             "completion_tokens_details": {"reasoning_tokens": 1},
         },
     }
-    assert _read_completion(json.dumps(reply).encode(), result) == (5, 2, 1, 0)
+    assert read_completion(json.dumps(reply).encode(), result) == (5, 2, 1, 0)
     assert (result.text, result.refusal, result.finish_reason) == ("{}", "", "stop")
 
 
 @pytest.mark.parametrize("odd", [b"", b"not json", b'{"choices": [{"message"'])
 def test_a_whole_reply_that_is_not_json_is_a_retryable_bad_body(odd: bytes) -> None:
-    with pytest.raises(_Failed) as failed:
-        _read_completion(odd, ChatResult())
+    with pytest.raises(AttemptFailed) as failed:
+        read_completion(odd, ChatResult())
     assert failed.value.retry and failed.value.reason == "bad_body"
 
 
@@ -232,6 +234,6 @@ def test_a_whole_reply_that_is_not_json_is_a_retryable_bad_body(odd: bytes) -> N
     ],
 )
 def test_a_whole_reply_of_another_shape_fails_the_call_without_a_retry(odd: bytes) -> None:
-    with pytest.raises(_Failed) as failed:
-        _read_completion(odd, ChatResult())
+    with pytest.raises(AttemptFailed) as failed:
+        read_completion(odd, ChatResult())
     assert not failed.value.retry and failed.value.reason == "bad_shape"

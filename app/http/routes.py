@@ -13,17 +13,17 @@ from sse_starlette import EventSourceResponse
 
 from app.db.pool import DB_ERRORS
 from app.errors import InvalidRequest, ScanNotFound, Unauthorized
+from app.http.errors import JsonErrorRoute
 from app.http.openapi import operations as doc
 from app.intake.acceptance import RepeatedScan
 from app.resources import Resources
 from app.streaming.access import Reader
 from app.streaming.responses import scan_response
 
-router = APIRouter()
+router = APIRouter(route_class=JsonErrorRoute)
 
 # Readiness probes time out at 1-2 s by default (Kubernetes: 1 s): answer within that.
 READY_TIMEOUT_S = 1.0
-# Every scan: app/main.py's EcoscanApp sends a POST here straight to its endpoint.
 SCAN_PATH = "/api/v1/scan/classify/completion"
 
 

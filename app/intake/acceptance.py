@@ -45,8 +45,8 @@ MAX_IDEMPOTENCY_KEY_CHARS = 128
 # A body this small is parsed on the event loop unless its image needs more than a check
 # (JSON, base64, an https URL, or a sequential JPEG checked from its head at 1/8 scale:
 # work bounded by the body's size, and no CPU-lane queue for it to wait in), where a hop
-# to a lane thread and back costs more than the work (k6/cpu_per_scan.py, README's cost
-# per scan).
+# to a lane thread and back costs more than the work (k6/cpu_per_scan.py; docs/benchmarks.md,
+# CPU per completed scan).
 INLINE_MAX_BODY_BYTES = 64 * 1024
 # A draining replica asks clients to come back soon: by then the load balancer sends
 # them to another one.

@@ -2,7 +2,7 @@
 
 CPython's cyclic collector walks the objects of a generation each time it collects it.
 With its defaults, a server like this one pays for walks that find nothing (what that
-costs under load: README's cost per scan, k6/cpu_per_scan.py):
+costs under load: docs/benchmarks.md, CPU per completed scan, k6/cpu_per_scan.py):
 
 - every full collection walks the objects of the imports, the OpenAPI schema, the SDK's
   types and the app itself, which never become garbage;

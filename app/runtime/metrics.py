@@ -10,14 +10,16 @@ questions: the first says a limit is too tight, the second that the work is slow
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from typing import Any, Self
-
-import prometheus_client
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.gc_collector import GCCollector
-from prometheus_client.platform_collector import PlatformCollector
-from prometheus_client.process_collector import ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 # LLM calls take seconds; the library's default buckets stop at 10 s.
 LATENCY_BUCKETS = (
@@ -46,66 +48,6 @@ LATENCY_BUCKETS = (
 )
 FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-
-
-class _KnownChildren:
-    """prometheus-client's `labels()` turns every value into a str and takes the
-    metric's lock on each call (~25 calls a scan); a label set's child never changes
-    (none is ever removed), so after the first call it comes from a dict.
-
-    The library also checks, on every observation, that the metric is not a labelled
-    parent (two calls each, ~40 a scan); whether it is never changes either, so it is
-    decided once (`_leaf`) and the subclasses below go straight to the value."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._known: dict[tuple[Any, ...], Self] = {}
-        # The library's own test (`_is_observable`): no labels, or a child's values.
-        self._leaf = not self._labelnames or bool(self._labelvalues)  # type: ignore[attr-defined]
-
-    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Self:
-        # The mixin's super() is the prometheus metric it is mixed into (below).
-        if labelkwargs:
-            found: Self = super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
-            return found
-        child = self._known.get(labelvalues)
-        if child is None:
-            made: Self = super().labels(*labelvalues)  # type: ignore[misc]
-            child = self._known[labelvalues] = made
-        return child
-
-
-class Counter(_KnownChildren, prometheus_client.Counter):
-    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
-        if exemplar or amount < 0 or not self._leaf:
-            super().inc(amount, exemplar)  # the library's checks and errors
-        else:
-            self._value.inc(amount)
-
-
-class Gauge(_KnownChildren, prometheus_client.Gauge):
-    def inc(self, amount: float = 1) -> None:
-        if self._is_most_recent or not self._leaf:
-            super().inc(amount)
-        else:
-            self._value.inc(amount)
-
-    def dec(self, amount: float = 1) -> None:
-        if self._is_most_recent or not self._leaf:
-            super().dec(amount)
-        else:
-            self._value.inc(-amount)
-
-
-class Histogram(_KnownChildren, prometheus_client.Histogram):
-    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
-        """The library's observation, its bucket found by bisection instead of a loop
-        over up to 22 bounds (the last bound is +Inf, so there is always one)."""
-        if exemplar or not self._leaf or amount != amount:  # NaN: no bucket, as the library does
-            super().observe(amount, exemplar)
-            return
-        self._sum.inc(amount)
-        self._buckets[bisect_left(self._upper_bounds, amount)].inc(1)
 
 
 class Metrics:
@@ -150,6 +92,11 @@ class Metrics:
             "ecoscan_scan_first_event_seconds",
             "Time from request arrival to the first SSE event handed to the server.",
             buckets=FAST_BUCKETS,
+            registry=r,
+        )
+        self.scans_lost = Counter(
+            "ecoscan_scans_lost_total",
+            "Scans of dead processes (SIGKILL, OOM, lost host) this process's sweep marked PROCESS_LOST.",
             registry=r,
         )
         self.scans_in_flight = Gauge(
@@ -248,6 +195,39 @@ class Metrics:
             "ecoscan_upstream_ratelimit_remaining",
             "Last x-ratelimit-remaining-* seen, by resource (requests, tokens).",
             ["model", "resource"],
+            registry=r,
+        )
+        # Routing over deployments (app/upstream/routes.py), by deployment name.
+        self.upstream_routed = Counter(
+            "ecoscan_upstream_routed_total",
+            "Attempts sent to each deployment, by stage.",
+            ["upstream", "stage"],
+            registry=r,
+        )
+        self.upstream_state = Gauge(
+            "ecoscan_upstream_state",
+            "Each deployment's breaker: 0 closed, 1 open, 2 half-open (probing), 3 taken out "
+            "(a refused key, a missing deployment or an exhausted quota).",
+            ["upstream"],
+            registry=r,
+        )
+        self.upstream_failovers = Counter(
+            "ecoscan_upstream_failovers_total",
+            "Failed attempts followed at once by one on another deployment, by stage and reason.",
+            ["stage", "reason"],
+            registry=r,
+        )
+        self.upstream_negotiated = Counter(
+            "ecoscan_upstream_negotiated_total",
+            "Optional parameters a deployment refused and is sent without from then on.",
+            ["upstream", "parameter"],
+            registry=r,
+        )
+        self.upstream_restarts = Counter(
+            "ecoscan_upstream_stream_restarts_total",
+            "Streamed calls that failed after their first token and started again "
+            "(the client got a `discard` event), by stage.",
+            ["stage"],
             registry=r,
         )
 

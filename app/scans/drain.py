@@ -2,9 +2,10 @@
 
 uvicorn, told to stop (SIGTERM from Kubernetes, systemd, a load balancer's deploy,
 or Ctrl-C), closes its listening sockets at once, waits for open connections, and
-only then runs the lifespan's shutdown; sse-starlette, by default, ends every SSE
-stream the moment it sees the signal. A scan in flight would lose its stream
-without a terminal event. So the service takes the signal first:
+only then runs the lifespan's shutdown. New requests would find the port closed
+instead of an answer that sends them elsewhere, and nothing would bound how long the
+scans in flight go on or tell their clients why they end. So the service takes the
+signal first:
 
 1. `/readyz` turns 503 and new scans get 503 `SERVER_SHUTTING_DOWN` + `Retry-After`
    (the load balancer stops sending; the sockets stay open meanwhile);

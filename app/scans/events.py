@@ -61,6 +61,14 @@ class AnswerDelta(ScanEvent):
 
 
 @dataclass(frozen=True, slots=True)
+class TextDiscarded(ScanEvent):
+    """The stage's streamed text so far is void: its call failed after its first token and
+    starts again on another route; the `delta`s that follow are the new text."""
+
+    kind = "discard"
+
+
+@dataclass(frozen=True, slots=True)
 class ScanDone(ScanEvent):
     kind = "done"
     terminal = True
@@ -78,9 +86,13 @@ class ScanErrored(ScanEvent):
     code: str
     message: str
     retryable: bool
+    retry_after: int | None = None  # seconds until a retry may succeed, when known
 
     def fields(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "retryable": self.retryable}
+        fields = {"code": self.code, "message": self.message, "retryable": self.retryable}
+        if self.retry_after is not None:
+            fields["retry_after"] = self.retry_after
+        return fields
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 
 from app.errors import DatabaseError
+from app.runtime.metrics import Metrics
 from app.scans.store import ScanStore
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,10 @@ log = logging.getLogger(__name__)
 RESTART_GRACE_S = 30.0
 
 
-async def sweep_lost_scans(store: ScanStore, *, interval_s: float) -> None:
+async def sweep_lost_scans(store: ScanStore, *, metrics: Metrics, interval_s: float) -> None:
+    """Sweep now and every `interval_s`; each row swept counts in `ecoscan_scans_lost_total`
+    (a scan lost with its process, which no other metric records: the process that ran it
+    is gone, and the sweeping one never ran it)."""
     first = True
     database_was_down = False
     while True:
@@ -33,6 +37,7 @@ async def sweep_lost_scans(store: ScanStore, *, interval_s: float) -> None:
             database_was_down = True
         else:
             database_was_down = False
+            metrics.scans_lost.inc(len(lost))
             if lost or first:
                 when = "start-up sweep" if first else "lost-scan sweep"
                 log.log(

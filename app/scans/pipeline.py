@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -31,14 +32,14 @@ from app.errors import (
 )
 from app.limits.clock import Clock
 from app.runtime.metrics import Metrics
-from app.scans.events import AnswerDelta, EventLog, LogEntry, ScanDone, ScanErrored
+from app.scans.events import AnswerDelta, EventLog, LogEntry, ScanDone, ScanErrored, TextDiscarded
 from app.scans.finished import FinishedScans
 from app.scans.mirror import ScanStreams
 from app.scans.run import ScanRun
 from app.scans.runner import ScanProgress, StageRunner
 from app.scans.store import ScanStore, TerminalRow
 from app.stages.context import AcceptedScan, ScanContext
-from app.upstream.client import safety_identifier
+from app.upstream.call import safety_identifier
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,11 @@ class ScanPipeline:
             ceiling = self._runner.spans[progress.step].completed - 1
             events.append(AnswerDelta(progress.step, text), min(ceiling, events.progress + 1))
 
-        ctx = ScanContext(scan, safety_identifier(scan.user_id), delta)
+        async def discard() -> None:
+            # The stage's text so far is void: its call starts again (elsewhere).
+            events.append(TextDiscarded(progress.step))
+
+        ctx = ScanContext(scan, safety_identifier(scan.user_id), delta, discard)
         for stage in self._runner.stages:
             if self._clock.now() >= deadline:
                 raise ScanDeadlineExceeded()
@@ -224,7 +229,11 @@ class ScanPipeline:
         written (shutdown), the write goes on and the event still goes out."""
         scan, events = run.scan, run.log
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
-        terminal = events.next_entry(ScanErrored(step, error.code, error.message, error.retryable))
+        wait_s = getattr(error, "retry_after_s", None)
+        retry_after = math.ceil(wait_s) if wait_s is not None else None
+        terminal = events.next_entry(
+            ScanErrored(step, error.code, error.message, error.retryable, retry_after)
+        )
         stored_log = events.to_json(terminal)
         row = TerminalRow(
             status, progress.result, progress.timings, (step, error.code, error.message), events=stored_log

@@ -87,6 +87,8 @@ class StageRunner:
         ctx.results[type(result)] = result
         fields = result.event_fields()
         progress.result.update(result.done_fields(fields))
+        if stage.upstream_calls:  # `done` says which deployment served each calling stage
+            progress.result.setdefault("upstreams", {})[stage.name] = result.served_by()
         duration_ms = progress.timings[f"{stage.name}_ms"]
         log.append(StageCompleted(stage.name, duration_ms, fields), span.completed)
 

@@ -1,28 +1,26 @@
-"""``POST /v1/chat/completions`` as a raw ASGI app (the hot path: no framework per-chunk cost)."""
+"""Chat completions as a raw ASGI handler (the hot path: no framework per-chunk cost).
+
+The flavour (app/sim/flavors.py) decides the words: auth, parsing, error bodies, rate
+headers, what the limiter counts and the reply's shape; this module decides the order.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
-from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from app.sim.errors import QUOTA_BODY, SERVER_ERROR_BODY, InvalidRequest, error_body, missing_api_key
+from app.sim.errors import InvalidRequest
+from app.sim.flavors import Failure, Flavor, Refused, Route, flavor_of, json_headers
 from app.sim.generate import generate_content, unenforced_content
 from app.sim.latency import plan_stream
-from app.sim.ratelimit import ORGANIZATION, Header, format_duration, retry_headers
+from app.sim.ratelimit import Header
 from app.sim.reasoning import reasoning_tokens
-from app.sim.reply import Reply, completion_body, plan_reply, usage
-from app.sim.request import ChatRequest, decode_body, parse_request
+from app.sim.reply import Reply, plan_reply
+from app.sim.request import ChatRequest
 from app.sim.state import SimState
-from app.sim.streaming import DONE, ChunkEncoder, stream_events
-
-# Completion tokens charged against TPM when the request sets no cap
-# (OpenAI reserves the possible output up front; a generous default makes an unset
-# max_completion_tokens visibly expensive, as it is against the real API).
-DEFAULT_MAX_TOKENS = 4096
+from app.sim.streaming import stream_events
 
 _FAULT_COUNTERS = {
     "refuse": "refusals_injected",
@@ -31,90 +29,89 @@ _FAULT_COUNTERS = {
     "malformed": "malformed_injected",
 }
 
-_JSON = (b"content-type", b"application/json")
 _SSE = (b"content-type", b"text/event-stream; charset=utf-8")
-_COMMON = [(b"openai-organization", ORGANIZATION.encode()), (b"openai-version", b"2020-10-01")]
 
 
 class ChatCompletions:
-    """ASGI endpoint; all behaviour comes from the shared ``SimState``."""
+    """ASGI handler for one routed chat call; all behaviour comes from the shared ``SimState``."""
 
     def __init__(self, state: SimState) -> None:
         self.state = state
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
         stats = self.state.stats
         stats.inflight += 1
         try:
-            await self._handle(scope, receive, send)
+            await self._handle(scope, receive, send, route)
         finally:
             stats.inflight -= 1
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, route: Route) -> None:
         state = self.state
         stats = state.stats
+        config = state.config
+        flavor = flavor_of(config)
         raw = await _read_body(receive)
         stats.requests_total += 1
-        headers: list[Header] = [(b"x-request-id", f"req_{secrets.token_hex(16)}".encode())]
-        headers += _COMMON
+        headers = flavor.common_headers()
+        denied = flavor.check_key(scope["headers"], route, config)
+        if denied is not None:
+            await self._fail(send, denied, headers)
+            return
         try:
-            if not _has_bearer_key(scope):
-                raise missing_api_key()
-            body = decode_body(raw)
+            body = flavor.decode(raw, config)
             state.capture(body)
-            request = parse_request(body)
+            request = flavor.parse(body, route, config)
+        except Refused as exc:
+            await self._fail(send, exc.failure, headers)
+            return
+        try:
             content = _content(request, state)
         except InvalidRequest as exc:
-            await self._reply(send, exc.status, exc.body(), headers)
+            await self._fail(send, flavor.invalid(exc, config), headers)
             return
         stats.by_kind[request.kind] = stats.by_kind.get(request.kind, 0) + 1
-        rejection = self._rejection(request, headers)
+        rejection = self._rejection(flavor, request, route, headers)
         if rejection is not None:
-            await self._reply(send, *rejection)
+            await self._fail(send, rejection, headers)
             return
-        await self._complete(request, content, headers, receive, send)
+        await self._complete(flavor, request, content, headers, receive, send)
 
     def _rejection(
-        self, request: ChatRequest, headers: list[Header]
-    ) -> tuple[int, bytes, list[Header]] | None:
+        self, flavor: Flavor, request: ChatRequest, route: Route, headers: list[Header]
+    ) -> Failure | None:
         """Quota, forced rejection, rate limit or injected error, in OpenAI's order.
 
-        Appends the rate-limit headers to ``headers`` when the buckets were consulted.
+        Appends the flavour's rate headers to ``headers`` when the buckets were consulted.
         """
         state = self.state
         stats = state.stats
         config = state.config
         limiter = state.limiter
+        key = flavor.limiter_key(request)
         if config.quota_exhausted:
             stats.quota_rejected_total += 1
-            return 429, QUOTA_BODY, headers + limiter.headers(request.model)
+            headers += limiter.headers(key)
+            return flavor.quota(request, route, config)
         if state.take_reject(request.kind):
             stats.rate_limited_total += 1
-            wait_s = config.reject_retry_after_ms / 1000
-            body = _rate_limit_body(
-                f"Rate limit reached for {request.model} in organization {ORGANIZATION} on "
-                f"requests per min (RPM): Limit {config.rpm}, Used {config.rpm}, Requested 1. "
-                f"Please try again in {format_duration(wait_s)}.",
-                "requests",
-            )
-            return 429, body, headers + limiter.headers(request.model) + retry_headers(wait_s)
-        # OpenAI: "your rate limit is calculated as the maximum of max_tokens and the
-        # estimated number of tokens based on the character count of your request".
-        cost = max(request.prompt_tokens, request.cap or DEFAULT_MAX_TOKENS)
-        denial, limit_headers = limiter.acquire(request.model, cost)
+            headers += limiter.headers(key)
+            return flavor.forced_rate_limit(request, route, config, config.reject_retry_after_ms / 1000)
+        cost = flavor.charge(request)
+        denial, limit_headers = limiter.acquire(key, cost)
         headers += limit_headers
         if denial is not None:
             stats.rate_limited_total += 1
-            body = _rate_limit_body(denial.message, denial.limit_type)
-            return 429, body, headers + retry_headers(denial.retry_after_s)
+            return flavor.rate_limited(request, route, denial, config)
         stats.tokens_charged_total += cost  # what the TPM limit counted
         if state.inject_error(request.kind):
             stats.errors_injected_total += 1
-            return config.error_status, SERVER_ERROR_BODY, headers
+            return Failure(config.error_status, flavor.server_error(config.error_status))
         return None
 
     async def _complete(
         self,
+        flavor: Flavor,
         request: ChatRequest,
         content: str,
         headers: list[Header],
@@ -127,19 +124,23 @@ class ChatCompletions:
         config = state.config
         reply = self._plan(request, content)
         latency = state.latency(request.kind)
-        headers.append((b"openai-processing-ms", str(round(latency * 1000)).encode()))
+        headers += flavor.processing_headers(latency)
         stats.count_status(200)
         stats.prompt_tokens += request.prompt_tokens
-        cached = state.prompt_cache.cached_tokens(request.model, request.prompt_cache_key, request.prefixes)
+        cached = 0
+        if flavor.uses_prompt_cache:
+            cached = state.prompt_cache.cached_tokens(
+                request.model, request.prompt_cache_key, request.prefixes
+            )
         stats.cached_tokens += cached
         stats.reasoning_tokens += reply.reasoning
         # Visible tokens are counted as they go out (a cancelled stream sends fewer).
         stats.completion_tokens += reply.reasoning
-        completion_id = f"chatcmpl-{secrets.token_urlsafe(21)}"
+        completion_id = flavor.completion_id()
         created = int(time.time())
-        totals = usage(request.prompt_tokens, reply, cached)
+        totals = flavor.usage(request.prompt_tokens, reply, cached)
         if request.stream:
-            encoder = ChunkEncoder(completion_id, created, request.model, request.include_usage, reply.field)
+            encoder = flavor.encoder(completion_id, created, request, reply)
             await stream_events(
                 state=state,
                 send=send,
@@ -147,7 +148,7 @@ class ChatCompletions:
                 headers=[*headers, _SSE, (b"cache-control", b"no-cache")],
                 encoder=encoder,
                 tokens=reply.tokens,
-                tail=_stream_tail(encoder, reply, request.include_usage, totals),
+                tail=encoder.tail(reply.finish, totals),
                 plan=plan_stream(latency, config.first_token_fraction, len(reply.tokens)),
                 stall_s=config.stall_s if state.inject_stall() else None,
             )
@@ -155,7 +156,9 @@ class ChatCompletions:
         if latency > 0:
             await asyncio.sleep(latency)
         stats.completion_tokens += len(reply.tokens)
-        await _send(send, 200, completion_body(completion_id, created, request, reply, totals), headers)
+        await _send(
+            send, 200, flavor.completion_body(completion_id, created, request, reply, totals), headers
+        )
 
     def _plan(self, request: ChatRequest, content: str) -> Reply:
         """Reasoning, the cap and at most one injected 200-path fault (counted in stats)."""
@@ -171,9 +174,9 @@ class ChatCompletions:
         drawn = reasoning_tokens(request.digest, request.effort, config.seed, config.reasoning_scale)
         return plan_reply(content, fault, request.cap, drawn)
 
-    async def _reply(self, send: Send, status: int, body: bytes, headers: list[Header]) -> None:
-        self.state.stats.count_status(status)
-        await _send(send, status, body, headers)
+    async def _fail(self, send: Send, failure: Failure, headers: list[Header]) -> None:
+        self.state.stats.count_status(failure.status)
+        await _send(send, failure.status, failure.body, [*headers, *failure.headers])
 
 
 def _content(request: ChatRequest, state: SimState) -> str:
@@ -199,29 +202,10 @@ async def _read_body(receive: Receive) -> bytes:
 
 
 async def _send(send: Send, status: int, body: bytes, headers: list[Header]) -> None:
-    all_headers = [*headers, _JSON, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": all_headers})
+    await send({"type": "http.response.start", "status": status, "headers": [*headers, *json_headers(body)]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def _rate_limit_body(message: str, limit_type: str) -> bytes:
-    return error_body(message, limit_type, None, "rate_limit_exceeded")
-
-
-def _stream_tail(encoder: ChunkEncoder, reply: Reply, include_usage: bool, totals: dict[str, Any]) -> bytes:
-    """Finish chunk, usage chunk (when asked) and ``[DONE]``; nothing for a truncated stream."""
-    if reply.finish is None:
-        return b""
-    tail = encoder.finish(reply.finish)
-    if include_usage:
-        tail += encoder.usage(totals)
-    return tail + DONE
-
-
-def _has_bearer_key(scope: Scope) -> bool:
-    """Any non-empty key will do: the simulator has no accounts, only the header's shape."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, key = value.partition(b" ")
-            return scheme.lower() == b"bearer" and bool(key.strip())
-    return False
+async def send_json(send: Send, status: int, body: bytes, headers: list[Header] | None = None) -> None:
+    """A whole JSON response (the models listing, 404s, outage 503s)."""
+    await _send(send, status, body, headers or [])

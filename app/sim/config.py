@@ -10,6 +10,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 KINDS = ("vision", "text")
+# The providers the simulator can play (app/sim/flavors.py) and the outage switch's modes.
+FLAVORS = ("openai", "azure", "gemini")
+OUTAGES = ("none", "503", "hang", "refuse")
 # The 200-path faults, in the order one request takes them (at most one each).
 REPLY_FAULTS = ("refuse", "content_filter", "truncate", "malformed")
 ENV_PREFIX = "SIM_"
@@ -22,6 +25,18 @@ _FALSE = {"0", "false", "no", "off", ""}
 class SimConfig:
     """All simulator behaviour. Latencies are in seconds before ``time_scale`` is applied."""
 
+    # Which provider this simulator plays (app/sim/flavors.py): its URL layout, auth
+    # header, rate headers, error bodies, parameter rules and way of counting tokens.
+    flavor: str = "openai"
+    # "" accepts any non-empty key; otherwise only this one (others get the flavour's 401).
+    api_key: str = ""
+    # Azure: "deployment=model" pairs; a deployment named like a known model needs none.
+    deployments: tuple[str, ...] = ()
+    # Gemini: response_format schemas must stay within the OpenAPI subset of Gemini's
+    # Schema object (additionalProperties, $ref, ... are 400s); false accepts JSON Schema.
+    schema_subset: bool = True
+    # Gemini: error bodies come wrapped in a one-element JSON array (the compat endpoint's way).
+    error_array: bool = True
     vision_median_s: float = 4.5
     text_median_s: float = 4.8
     latency_sigma: float = 0.25
@@ -61,6 +76,10 @@ class SimConfig:
     reasoning_scale: float = 1.0
     # How many of the latest request bodies GET /sim/requests keeps (0: none).
     capture_requests: int = 0
+    # The outage switch (app/sim/outage.py): none, 503 (every call gets the flavour's
+    # 503), hang (calls are read and never answered until switched back) or refuse (the
+    # API port stops listening and open connections are reset; the control port stays).
+    outage: str = "none"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +88,9 @@ class SimConfig:
             # Normalise after the type check so float fields never hold ints and
             # kind lists are always tuples (keeps equality and JSON output stable).
             object.__setattr__(self, f.name, _check_type(f.name, f.type, value))
+        _one_of("flavor", self.flavor, FLAVORS)
+        _one_of("outage", self.outage, OUTAGES)
+        _deployments(self.deployments)
         _at_least("vision_median_s", self.vision_median_s, 0.0)
         _at_least("text_median_s", self.text_median_s, 0.0)
         _at_least("latency_sigma", self.latency_sigma, 0.0)
@@ -131,7 +153,7 @@ def field_names() -> tuple[str, ...]:
 
 
 def field_kind(name: str) -> str:
-    """One of ``float``, ``int``, ``bool``, ``kinds`` for a SimConfig field name."""
+    """One of ``float``, ``int``, ``bool``, ``str``, ``list`` for a SimConfig field name."""
     for f in fields(SimConfig):
         if f.name == name:
             return _KIND_OF_TYPE[str(f.type)]
@@ -147,6 +169,8 @@ def parse_field_text(name: str, raw: str) -> Any:
             return float(text)
         if kind == "int":
             return int(text)
+        if kind == "str":
+            return text
         if kind == "bool":
             low = text.lower()
             if low in _TRUE:
@@ -159,7 +183,7 @@ def parse_field_text(name: str, raw: str) -> Any:
         raise ValueError(f"{name}: cannot parse {raw!r} as {kind}") from None
 
 
-_KIND_OF_TYPE = {"float": "float", "int": "int", "bool": "bool", "tuple[str, ...]": "kinds"}
+_KIND_OF_TYPE = {"float": "float", "int": "int", "bool": "bool", "str": "str", "tuple[str, ...]": "list"}
 
 
 def _check_type(name: str, type_name: object, value: object) -> object:
@@ -167,7 +191,10 @@ def _check_type(name: str, type_name: object, value: object) -> object:
     if kind == "bool":
         if isinstance(value, bool):
             return value
-    elif kind == "kinds":
+    elif kind == "str":
+        if isinstance(value, str):
+            return value
+    elif kind == "list":
         if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
             return tuple(value)
     elif isinstance(value, bool):
@@ -198,3 +225,24 @@ def _kinds(name: str, value: tuple[str, ...]) -> None:
     for kind in value:
         if kind not in KINDS:
             raise ValueError(f"{name}: unknown kind {kind!r} (expected some of {', '.join(KINDS)})")
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _deployments(pairs: tuple[str, ...]) -> None:
+    for pair in pairs:
+        name, sep, model = pair.partition("=")
+        if not sep or not name.strip() or not model.strip():
+            raise ValueError(f"deployments: expected deployment=model, got {pair!r}")
+
+
+def deployment_map(config: SimConfig) -> dict[str, str]:
+    """The ``deployments`` pairs as {deployment: model}."""
+    out: dict[str, str] = {}
+    for pair in config.deployments:
+        name, _, model = pair.partition("=")
+        out[name.strip()] = model.strip()
+    return out

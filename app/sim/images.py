@@ -11,7 +11,7 @@ from fractions import Fraction
 from PIL import Image, UnidentifiedImageError
 
 from app.sim.errors import InvalidRequest
-from app.sim.models import Patches, Tiles
+from app.sim.models import GeminiTiles, ImageBilling, Tiles
 
 PATCH_PX = 32
 MAX_PATCHES = 1536
@@ -21,8 +21,11 @@ UNKNOWN_SIZE_TILES = 4
 UNKNOWN_SIZE_PATCHES = 1024
 
 
-def image_tokens(url: str, detail: str, billing: Tiles | Patches) -> int:
+def image_tokens(url: str, detail: str, billing: ImageBilling) -> int:
     """Prompt tokens one image costs on a model billed by ``billing``."""
+    if isinstance(billing, GeminiTiles):
+        size = data_url_image_size(url) if url.startswith("data:") else (1024, 1024)
+        return gemini_image_tokens(*size, billing)
     if isinstance(billing, Tiles):
         if detail == "low":
             return billing.base
@@ -31,6 +34,17 @@ def image_tokens(url: str, detail: str, billing: Tiles | Patches) -> int:
     # Patch models ignore detail: "low" costs the same as "high" on the real API.
     patches = patch_count(*data_url_image_size(url)) if url.startswith("data:") else UNKNOWN_SIZE_PATCHES
     return round(patches * billing.multiplier)
+
+
+GEMINI_TILES = GeminiTiles()
+
+
+def gemini_image_tokens(width: int, height: int, billing: GeminiTiles = GEMINI_TILES) -> int:
+    """Gemini: one tile for an image within 384 px both ways, else 768-px tiles, 258 each."""
+    if width <= billing.small and height <= billing.small:
+        return billing.per_tile
+    tiles = _ceil_div(max(1, width), billing.tile) * _ceil_div(max(1, height), billing.tile)
+    return billing.per_tile * tiles
 
 
 def tile_count(width: float, height: float) -> int:

@@ -34,8 +34,11 @@ class Prompt:
     prefixes: tuple[bytes, ...] = ()  # see app/sim/prompt_cache.py; empty under MIN_TOKENS
 
 
-def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
-    """Walk ``messages`` and ``response_format``; raise ``InvalidRequest`` like OpenAI."""
+def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: bool = True) -> Prompt:
+    """Walk ``messages`` and ``response_format``; raise ``InvalidRequest`` like OpenAI.
+
+    ``json_word_required``: OpenAI's rule that JSON mode needs "json" in the messages.
+    """
     messages = body.get("messages")
     if messages is None:
         raise InvalidRequest(
@@ -73,7 +76,9 @@ def read_prompt(body: dict[str, Any], family: ModelFamily) -> Prompt:
             tokens += parts[-1].tokens
         if role == "user":
             user_text = "\n".join(texts)
-    format_type, schema = _response_format(body.get("response_format"), mentions_json)
+    format_type, schema = _response_format(
+        body.get("response_format"), mentions_json or not json_word_required
+    )
     schema_key = b""
     if schema is not None:
         schema_text = json.dumps(schema, sort_keys=True, ensure_ascii=False)

@@ -15,6 +15,17 @@ Sources:
   guides (``none`` is the default effort from gpt-5.1 on, and temperature/top_p other
   than 1 are accepted only while reasoning is off).
 
+Gemini (the ``gemini`` flavour, app/sim/gemini.py) has its own table, GEMINI_FAMILIES:
+
+- Image input costs: Gemini's token guide ("Image inputs with both dimensions <= 384
+  pixels are counted as 258 tokens. Images larger in one or both dimensions are cropped
+  and scaled as needed into tiles of 768x768 pixels, each counted as 258 tokens"); the
+  simulator tiles by ceil(w / 768) * ceil(h / 768). ``detail`` does not change it.
+- Thinking: ``reasoning_effort`` maps to a thinking budget on Gemini 2.5 (OpenAI
+  compatibility guide). 2.5 Flash and Flash-Lite can turn thinking off (``none``), 2.5 Pro
+  cannot; Flash-Lite does not think unless asked; 2.0 Flash does not think at all.
+  ``max_tokens``/``max_completion_tokens`` cover thinking too (Gemini's maxOutputTokens).
+
 A model name matches a family when it equals one of the family's names or extends one
 with ``-`` (dated snapshots: ``gpt-4o-mini-2024-07-18``); the longest matching name wins,
 so ``gpt-4o-mini`` is not taken for ``gpt-4o``.
@@ -44,10 +55,22 @@ class Tiles:
 
 
 @dataclass(frozen=True, slots=True)
+class GeminiTiles:
+    """``per_tile`` tokens for an image within ``small`` px on both sides, else per tile."""
+
+    per_tile: int = 258
+    small: int = 384
+    tile: int = 768
+
+
+@dataclass(frozen=True, slots=True)
 class Patches:
     """``round(patches * multiplier)`` tokens, patches being 32x32 px, at most 1536."""
 
     multiplier: float
+
+
+ImageBilling = Tiles | Patches | GeminiTiles
 
 
 class Sampling(enum.Enum):
@@ -69,7 +92,7 @@ class ModelFamily:
     efforts: tuple[str, ...]
     default_effort: str | None
     sampling: Sampling
-    images: Tiles | Patches | None  # None: the model takes no image input
+    images: Tiles | Patches | GeminiTiles | None  # None: the model takes no image input
 
     def sampling_allowed(self, effort: str | None) -> bool:
         """Whether temperature/top_p may differ from 1 at this effective effort."""
@@ -122,18 +145,48 @@ FAMILIES: tuple[ModelFamily, ...] = (
     _reasoner("o4-mini", ("o4-mini",), O_EFFORTS, "medium", Patches(1.72)),
 )
 
+GEMINI_FLASH_EFFORTS = ("none", "low", "medium", "high")
+GEMINI_PRO_EFFORTS = ("low", "medium", "high")
+_GEMINI_TILES = GeminiTiles()
+
+
+def _gemini(family: str, efforts: tuple[str, ...], default: str | None) -> ModelFamily:
+    """A Gemini model: both cap params, free sampling, thinking when ``efforts``."""
+    reasoning = bool(efforts)
+    return ModelFamily(
+        family, (family,), reasoning, CAP_PARAMS, efforts, default, Sampling.FREE, _GEMINI_TILES
+    )
+
+
+GEMINI_FAMILIES: tuple[ModelFamily, ...] = (
+    _gemini("gemini-2.5-pro", GEMINI_PRO_EFFORTS, "medium"),  # dynamic thinking, always on
+    _gemini("gemini-2.5-flash", GEMINI_FLASH_EFFORTS, "medium"),  # dynamic thinking by default
+    _gemini("gemini-2.5-flash-lite", GEMINI_FLASH_EFFORTS, "none"),  # thinks only when asked
+    _gemini("gemini-2.0-flash", (), None),
+    _gemini("gemini-2.0-flash-lite", (), None),
+)
+
 _BY_NAME = {name: family for family in FAMILIES for name in family.names}
+_GEMINI_BY_NAME = {name: family for family in GEMINI_FAMILIES for name in family.names}
 
 
-def family_for(model: str) -> ModelFamily | None:
-    """The family of ``model`` (longest matching name), or None for an unknown model."""
+def _table(flavor: str) -> dict[str, ModelFamily]:
+    return _GEMINI_BY_NAME if flavor == "gemini" else _BY_NAME
+
+
+def family_for(model: str, flavor: str = "openai") -> ModelFamily | None:
+    """The family of ``model`` (longest matching name) in ``flavor``'s table, or None.
+
+    OpenAI and Azure OpenAI serve the same models; Gemini its own.
+    """
+    table = _table(flavor)
     best: str | None = None
-    for name in _BY_NAME:
+    for name in table:
         if (model == name or model.startswith(name + "-")) and (best is None or len(name) > len(best)):
             best = name
-    return None if best is None else _BY_NAME[best]
+    return None if best is None else table[best]
 
 
-def listed_models() -> tuple[str, ...]:
-    """Model ids ``GET /v1/models`` reports, in table order."""
-    return tuple(_BY_NAME)
+def listed_models(flavor: str = "openai") -> tuple[str, ...]:
+    """Model ids the flavour's model listing reports, in table order."""
+    return tuple(_table(flavor))

@@ -1,4 +1,9 @@
-"""Per-model RPM/TPM token buckets and OpenAI's ``x-ratelimit-*`` / ``retry-after`` headers."""
+"""Per-model RPM/TPM token buckets and the rate headers each flavour sends.
+
+OpenAI sends six ``x-ratelimit-*`` headers (limit, remaining, reset for requests and
+tokens); Azure OpenAI only ``x-ratelimit-remaining-requests`` and ``-tokens`` (its quota
+guide); Gemini none. The buckets are keyed by model (OpenAI, Gemini) or deployment (Azure).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from dataclasses import dataclass
 
 Header = tuple[bytes, bytes]
 ORGANIZATION = "org-sim"
+# Which rate headers each flavour sends (see TokenBucket.headers).
+HEADER_STYLES = {"openai": "openai", "azure": "azure", "gemini": "none"}
 _DOCS = "Visit https://platform.openai.com/account/rate-limits to learn more."
 
 
@@ -64,21 +71,33 @@ class TokenBucket:
     def time_to_full(self) -> float:
         return (self.limit - self.level) / self.rate if self.rate > 0 else _MAX_WAIT_S
 
-    def headers(self, name: str) -> list[Header]:
+    def headers(self, name: str, style: str = "openai") -> list[Header]:
+        remaining = (b"x-ratelimit-remaining-" + name.encode(), str(max(0, int(self.level))).encode())
+        if style == "azure":
+            return [remaining]
+        if style != "openai":
+            return []
         return [
             (b"x-ratelimit-limit-" + name.encode(), str(self.limit).encode()),
-            (b"x-ratelimit-remaining-" + name.encode(), str(max(0, int(self.level))).encode()),
+            remaining,
             (b"x-ratelimit-reset-" + name.encode(), format_duration(self.time_to_full()).encode()),
         ]
 
 
 @dataclass(frozen=True, slots=True)
 class Denial:
-    """Why a request could not be paid for; ``limit_type`` is ``requests`` or ``tokens``."""
+    """Why a request could not be paid for; ``limit_type`` is ``requests`` or ``tokens``.
+
+    ``message`` is OpenAI's wording; the numbers let other flavours word their own.
+    """
 
     limit_type: str
     message: str
     retry_after_s: float
+    limit: int = 0
+    used: int = 0
+    requested: int = 0
+    too_large: bool = False  # more than the bucket ever holds
 
 
 class _ModelBuckets:
@@ -88,17 +107,20 @@ class _ModelBuckets:
         self.requests = TokenBucket(rpm, now, shared_rpm) if rpm > 0 else None
         self.tokens = TokenBucket(tpm, now, shared_tpm) if tpm > 0 else None
 
-    def headers(self) -> list[Header]:
+    def headers(self, style: str) -> list[Header]:
         out: list[Header] = []
         if self.requests is not None:
-            out += self.requests.headers("requests")
+            out += self.requests.headers("requests", style)
         if self.tokens is not None:
-            out += self.tokens.headers("tokens")
+            out += self.tokens.headers("tokens", style)
         return out
 
 
 class RateLimiter:
-    """OpenAI-style limits per model. ``rpm``/``tpm`` of 0 mean unlimited."""
+    """RPM/TPM limits per key (model or deployment). ``rpm``/``tpm`` of 0 mean unlimited.
+
+    ``header_style`` is ``openai`` (six headers), ``azure`` (remaining only) or ``none``.
+    """
 
     def __init__(
         self,
@@ -108,7 +130,9 @@ class RateLimiter:
         *,
         shared_rpm: int = 0,
         shared_tpm: int = 0,
+        header_style: str = "openai",
     ) -> None:
+        self.header_style = header_style
         self.rpm = rpm
         self.tpm = tpm
         self.shared_rpm = shared_rpm
@@ -140,11 +164,11 @@ class RateLimiter:
                 buckets.requests.level -= 1
             if buckets.tokens is not None:
                 buckets.tokens.level -= tokens
-        return denial, buckets.headers()
+        return denial, buckets.headers(self.header_style)
 
     def headers(self, model: str) -> list[Header]:
         """Current headers for ``model`` without spending anything."""
-        return self._buckets(model).headers()
+        return self._buckets(model).headers(self.header_style)
 
     @staticmethod
     def _check(
@@ -159,7 +183,7 @@ class RateLimiter:
                 f"Limit {bucket.limit}, Requested {amount}. "
                 "The input or output tokens must be reduced in order to run successfully. " + _DOCS
             )
-            return Denial(limit_type, message, bucket.time_to_full())
+            return Denial(limit_type, message, bucket.time_to_full(), bucket.limit, 0, amount, True)
         wait = bucket.wait_for(amount)
         used = bucket.limit - max(0, int(bucket.level))
         message = (
@@ -167,7 +191,7 @@ class RateLimiter:
             f"Limit {bucket.limit}, Used {used}, Requested {amount}. "
             f"Please try again in {format_duration(wait)}. " + _DOCS
         )
-        return Denial(limit_type, message, wait)
+        return Denial(limit_type, message, wait, bucket.limit, used, amount)
 
 
 def retry_headers(seconds: float) -> list[Header]:

@@ -53,6 +53,7 @@ class ChatRequest:
     schema_key: bytes = b""  # digest of the schema alone
     prefixes: tuple[bytes, ...] = ()  # the prompt cache's prefix digests (app/sim/prompt_cache.py)
     prompt_cache_key: str = ""
+    deployment: str = ""  # Azure: the deployment the call named (its limits are its own)
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -66,12 +67,19 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_request(body: dict[str, Any]) -> ChatRequest:
-    """Validate a decoded body; raise ``InvalidRequest`` with OpenAI's status, param and code."""
+def parse_request(body: dict[str, Any], deployment: tuple[str, str] | None = None) -> ChatRequest:
+    """Validate a decoded body; raise ``InvalidRequest`` with OpenAI's status, param and code.
+
+    ``deployment``: Azure's ``(deployment, model)``, already resolved from the URL or the
+    body's ``model``; the reply then names the model and the limits are the deployment's.
+    """
     check_known(body)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("you must provide a model parameter", "model")
+    if deployment is None:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("you must provide a model parameter", "model")
+    else:
+        model = deployment[1]
     family = family_for(model)
     if family is None:
         raise model_not_found(model)
@@ -98,4 +106,5 @@ def parse_request(body: dict[str, Any]) -> ChatRequest:
         schema_key=prompt.schema_key,
         prefixes=prompt.prefixes,
         prompt_cache_key=body.get("prompt_cache_key") or "",
+        deployment=deployment[0] if deployment is not None else "",
     )

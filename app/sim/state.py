@@ -6,24 +6,34 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from app.sim.config import REPLY_FAULTS, SimConfig
 from app.sim.latency import sample_latency
 from app.sim.prompt_cache import PromptCache
-from app.sim.ratelimit import RateLimiter
+from app.sim.ratelimit import HEADER_STYLES, RateLimiter
 from app.sim.stats import SimStats
 
-_LIMIT_FIELDS = {"rpm", "tpm", "shared_rpm", "shared_tpm"}
+_LIMIT_FIELDS = {"rpm", "tpm", "shared_rpm", "shared_tpm", "flavor"}
+
+# Called when the outage switch moves: (old mode, new mode). The runner that owns the
+# listening socket sets it (app/sim/server.py), to stop and resume accepting.
+OutageHook = Callable[[str, str], Awaitable[None]]
 
 
-def _limits(config: SimConfig) -> tuple[int, int, int, int]:
-    return config.rpm, config.tpm, config.shared_rpm, config.shared_tpm
+def _limits(config: SimConfig) -> tuple[int, int, int, int, str]:
+    return config.rpm, config.tpm, config.shared_rpm, config.shared_tpm, config.flavor
 
 
 def _limiter(config: SimConfig) -> RateLimiter:
-    return RateLimiter(config.rpm, config.tpm, shared_rpm=config.shared_rpm, shared_tpm=config.shared_tpm)
+    return RateLimiter(
+        config.rpm,
+        config.tpm,
+        shared_rpm=config.shared_rpm,
+        shared_tpm=config.shared_tpm,
+        header_style=HEADER_STYLES[config.flavor],
+    )
 
 
 class SimState:
@@ -39,6 +49,13 @@ class SimState:
         self.closing = asyncio.Event()
         # The latest request bodies as received (``capture_requests`` of them), oldest first.
         self.captured: deque[dict[str, Any]] = deque(maxlen=config.capture_requests)
+        # Set while the outage switch is not ``hang``: held requests wait for it.
+        self.not_hanging = asyncio.Event()
+        if config.outage != "hang":
+            self.not_hanging.set()
+        self.on_outage: OutageHook | None = None
+        # Where this simulator listens (url, control_url), for GET /sim/info.
+        self.endpoints: dict[str, str] = {}
 
     @property
     def config(self) -> SimConfig:
@@ -54,6 +71,10 @@ class SimState:
             self.rng = random.Random(config.seed)
         if config.capture_requests != old.capture_requests:
             self.captured = deque(self.captured, maxlen=config.capture_requests)
+        if config.outage == "hang":
+            self.not_hanging.clear()
+        else:
+            self.not_hanging.set()
 
     def configure(self, changes: Mapping[str, Any]) -> SimConfig:
         """Apply a partial update (validated; ValueError names the bad field).

@@ -10,6 +10,7 @@ class SimStats:
 
     def __init__(self) -> None:
         self.inflight = 0
+        self.held = 0  # requests the hang outage is holding right now
         self.reset()
 
     def reset(self) -> None:
@@ -17,7 +18,7 @@ class SimStats:
         self.by_status: dict[str, int] = {}
         self.by_kind: dict[str, int] = {"vision": 0, "text": 0}
         self.rate_limited_total = 0
-        self.tokens_charged_total = 0  # against TPM: max(prompt, cap) per admitted request
+        self.tokens_charged_total = 0  # against TPM: prompt + cap per admitted request
         self.quota_rejected_total = 0
         self.errors_injected_total = 0
         self.prompt_tokens = 0
@@ -32,6 +33,13 @@ class SimStats:
         self.content_filters_injected = 0
         self.truncations_injected = 0
         self.malformed_injected = 0
+        # The outage switch: API requests that arrived while it was on, by mode ("503",
+        # "hang"), and connections a "refuse" reset (new ones are refused by the kernel).
+        self.outage_requests: dict[str, int] = {}
+        self.connections_reset = 0
+
+    def count_outage(self, mode: str) -> None:
+        self.outage_requests[mode] = self.outage_requests.get(mode, 0) + 1
 
     def count_status(self, status: int) -> None:
         key = str(status)
@@ -61,4 +69,8 @@ class SimStats:
             "content_filters_injected": self.content_filters_injected,
             "truncations_injected": self.truncations_injected,
             "malformed_injected": self.malformed_injected,
+            "outage_requests_total": sum(self.outage_requests.values()),
+            "outage_requests": dict(self.outage_requests),
+            "held": self.held,
+            "connections_reset": self.connections_reset,
         }

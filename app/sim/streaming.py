@@ -20,27 +20,52 @@ _DELTAS: dict[str, bytes] = {}
 _DELTA_CACHE_MAX = 50_000
 
 
+# Azure's content-filter annotations when nothing was filtered (its default filters).
+SAFE = {"filtered": False, "severity": "safe"}
+AZURE_CONTENT_SAFE = {"hate": SAFE, "self_harm": SAFE, "sexual": SAFE, "violence": SAFE}
+AZURE_PROMPT_SAFE = {**AZURE_CONTENT_SAFE, "jailbreak": {"filtered": False, "detected": False}}
+# What Azure reports on a completion its filter cut (finish_reason "content_filter").
+AZURE_CONTENT_FILTERED = {**AZURE_CONTENT_SAFE, "violence": {"filtered": True, "severity": "medium"}}
+
+
+def _cached_delta(text: str) -> bytes:
+    delta = _DELTAS.get(text)
+    if delta is None:
+        if len(_DELTAS) >= _DELTA_CACHE_MAX:
+            _DELTAS.clear()
+        delta = b'{"content":' + json.dumps(text, ensure_ascii=False).encode() + b"}"
+        _DELTAS[text] = delta
+    return delta
+
+
 class ChunkEncoder:
-    """Pre-serialised chunk framing so each token costs one ``json.dumps`` of its text.
+    """OpenAI's chunks, pre-serialised so each token costs one ``json.dumps`` of its text.
 
     ``field`` is ``content``, or ``refusal`` for a refusal, whose deltas carry
-    ``refusal`` pieces with a null ``content`` (as OpenAI streams them).
+    ``refusal`` pieces with a null ``content`` (as OpenAI streams them). The stream is
+    ``opening()`` (the role chunk), a ``token()`` per token, then ``tail()``: the finish
+    chunk, the usage chunk (empty ``choices``) when asked, and ``[DONE]``.
     """
 
     def __init__(
         self, completion_id: str, created: int, model: str, include_usage: bool, field: str = "content"
     ) -> None:
-        self.head = (
-            f'data: {{"id":"{completion_id}","object":"chat.completion.chunk",'
-            f'"created":{created},"model":{json.dumps(model)},"service_tier":"default",'
-            '"system_fingerprint":"fp_sim","choices":'
-        ).encode()
+        self.head = self._head(completion_id, created, model)
         self.field = field
+        self.include_usage = include_usage
         self._usage_null = b',"usage":null' if include_usage else b""
         self._open = self.head + b'[{"index":0,"delta":'
         self._close = b',"logprobs":null,"finish_reason":null}]' + self._usage_null + b"}\n\n"
 
-    def role(self) -> bytes:
+    def _head(self, completion_id: str, created: int, model: str) -> bytes:
+        return (
+            f'data: {{"id":"{completion_id}","object":"chat.completion.chunk",'
+            f'"created":{created},"model":{json.dumps(model)},"service_tier":"default",'
+            '"system_fingerprint":"fp_sim","choices":'
+        ).encode()
+
+    def opening(self) -> bytes:
+        """What precedes the first token: the assistant role."""
         if self.field == "refusal":
             return self._open + b'{"role":"assistant","content":null,"refusal":""}' + self._close
         return self._open + b'{"role":"assistant","content":"","refusal":null}' + self._close
@@ -49,13 +74,7 @@ class ChunkEncoder:
         if self.field != "content":
             piece = json.dumps(text, ensure_ascii=False).encode()
             return self._open + b'{"' + self.field.encode() + b'":' + piece + b"}" + self._close
-        delta = _DELTAS.get(text)
-        if delta is None:
-            if len(_DELTAS) >= _DELTA_CACHE_MAX:
-                _DELTAS.clear()
-            delta = b'{"content":' + json.dumps(text, ensure_ascii=False).encode() + b"}"
-            _DELTAS[text] = delta
-        return self._open + delta + self._close
+        return self._open + _cached_delta(text) + self._close
 
     def finish(self, reason: str) -> bytes:
         return (
@@ -69,6 +88,112 @@ class ChunkEncoder:
 
     def usage(self, usage: dict[str, Any]) -> bytes:
         return self.head + b'[],"usage":' + json.dumps(usage).encode() + b"}\n\n"
+
+    def tail(self, finish: str | None, usage: dict[str, Any]) -> bytes:
+        """Finish chunk, usage chunk (when asked) and ``[DONE]``; nothing for a cut stream."""
+        if finish is None:
+            return b""
+        out = self.finish(finish)
+        if self.include_usage:
+            out += self.usage(usage)
+        return out + DONE
+
+
+class AzureChunkEncoder(ChunkEncoder):
+    """Azure OpenAI's chunks: first one with empty ``choices`` and only
+    ``prompt_filter_results``, then per-choice ``content_filter_results`` on every chunk
+    (empty on the role and finish chunks, the filter's verdict when it cut the reply)."""
+
+    def __init__(
+        self, completion_id: str, created: int, model: str, include_usage: bool, field: str = "content"
+    ) -> None:
+        super().__init__(completion_id, created, model, include_usage, field)
+        safe = b',"content_filter_results":' + json.dumps(AZURE_CONTENT_SAFE).encode()
+        self._close = b',"logprobs":null,"finish_reason":null' + safe + b"}]" + self._usage_null + b"}\n\n"
+        self._role_close = (
+            b',"logprobs":null,"finish_reason":null,"content_filter_results":{}}]'
+            + self._usage_null
+            + b"}\n\n"
+        )
+
+    def _head(self, completion_id: str, created: int, model: str) -> bytes:
+        return (
+            f'data: {{"id":"{completion_id}","object":"chat.completion.chunk",'
+            f'"created":{created},"model":{json.dumps(model)},'
+            '"system_fingerprint":"fp_sim","choices":'
+        ).encode()
+
+    def opening(self) -> bytes:
+        prompt_filter = {
+            "choices": [],
+            "created": 0,
+            "id": "",
+            "model": "",
+            "object": "",
+            "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": AZURE_PROMPT_SAFE}],
+        }
+        first = b"data: " + json.dumps(prompt_filter).encode() + b"\n\n"
+        if self.field == "refusal":
+            role = b'{"role":"assistant","content":null,"refusal":""}'
+        else:
+            role = b'{"role":"assistant","content":"","refusal":null}'
+        return first + self._open + role + self._role_close
+
+    def finish(self, reason: str) -> bytes:
+        verdict = AZURE_CONTENT_FILTERED if reason == "content_filter" else {}
+        return (
+            self._open
+            + b'{},"logprobs":null,"finish_reason":"'
+            + reason.encode()
+            + b'","content_filter_results":'
+            + json.dumps(verdict).encode()
+            + b"}]"
+            + self._usage_null
+            + b"}\n\n"
+        )
+
+
+class GeminiChunkEncoder(ChunkEncoder):
+    """Gemini's compat chunks: no role-only chunk (the first content delta carries the
+    role), no ``service_tier``/``system_fingerprint``/``logprobs``, no ``refusal`` field, and
+    ``usage`` on the finish chunk itself, whether or not ``stream_options`` asked for it."""
+
+    def __init__(
+        self, completion_id: str, created: int, model: str, include_usage: bool, field: str = "content"
+    ) -> None:
+        super().__init__(completion_id, created, model, True, "content")
+        self._close = b',"finish_reason":null}]}\n\n'
+        self._first = True
+
+    def _head(self, completion_id: str, created: int, model: str) -> bytes:
+        return (
+            f'data: {{"id":"{completion_id}","object":"chat.completion.chunk",'
+            f'"created":{created},"model":{json.dumps(model)},"choices":'
+        ).encode()
+
+    def opening(self) -> bytes:
+        return b""
+
+    def token(self, text: str) -> bytes:
+        if self._first:
+            self._first = False
+            piece = json.dumps(text, ensure_ascii=False).encode()
+            return self._open + b'{"content":' + piece + b',"role":"assistant"}' + self._close
+        return self._open + _cached_delta(text) + self._close
+
+    def tail(self, finish: str | None, usage: dict[str, Any]) -> bytes:
+        if finish is None:
+            return b""
+        usage_json = json.dumps(usage).encode()
+        return (
+            self._open
+            + b'{},"finish_reason":"'
+            + finish.encode()
+            + b'"}],"usage":'
+            + usage_json
+            + b"}\n\n"
+            + DONE
+        )
 
 
 async def stream_events(
@@ -128,9 +253,10 @@ async def stream_events(
                 await _stall(state, stall_s)
                 # Resume the normal pace afterwards instead of bursting the backlog.
                 start += loop.time() - stalled_from
-            body = b"".join([encoder.token(t) for t in batch])
             if j == 0:
-                body = encoder.role() + body
+                body = encoder.opening() + b"".join([encoder.token(t) for t in batch])
+            else:
+                body = b"".join([encoder.token(t) for t in batch])
             if j == last:
                 finished = True
                 body += tail

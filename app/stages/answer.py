@@ -12,9 +12,10 @@ works the same against OpenAI and any compatible server.
 Deltas are coalesced (`delta_flush_ms`): one SSE event per token would cost more
 event-loop time than the answer is worth to a reader.
 
-Retries: a retried call starts a fresh text. Its rendering is only forwarded once
-it has grown past what the client already saw, so nothing is sent twice; if a retry
-diverges from the text already shown, deltas stop and `done` carries the answer.
+Retries: a call that fails after its first token starts again from nothing, on another
+deployment when one can take it (app/upstream/client.py); the client gets a `discard`
+event (what it showed of the answer is void) and then the new text's deltas. `done`
+carries the answer as it was finally written.
 
 Economy. The prompt puts what scans share first, for OpenAI's prompt cache: the system
 prompt (after the schema, which OpenAI places before it), then the rule document, the
@@ -43,10 +44,10 @@ from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext
 from app.stages.rule import DisposalRules, RuleResult
 from app.stages.vision import VisionResult
-from app.upstream.client import ChatCall, ChatResult, Upstream
-from app.upstream.profiles import CallShape
+from app.upstream.call import ChatRequest, ChatResult
+from app.upstream.client import Upstream
 from app.upstream.reply_cache import CacheLimits, ReplyCache, request_digest
-from app.upstream.tokens import estimate_chat_tokens, estimate_text_tokens
+from app.upstream.tokens import estimate_text_tokens
 
 ANSWER_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -95,20 +96,25 @@ def render(answer: dict[str, Any]) -> str:
 class _DeltaWriter:
     """Turns the growing JSON text of the current attempt into coalesced deltas."""
 
-    def __init__(self, emit: EmitDelta, flush_s: float) -> None:
+    def __init__(self, emit: EmitDelta, discard: Callable[[], Awaitable[None]], flush_s: float) -> None:
         self._emit = emit
+        self._discard = discard
         self._flush_s = flush_s
         self._last_flush = 0.0
         self.sent = ""
-        self.diverged = False
+
+    async def restart(self) -> None:
+        """The call starts again from nothing: what the client saw of it is void (a
+        `discard` event, only if it saw any), and the new text is sent from its start."""
+        if self.sent:
+            self.sent = ""
+            await self._discard()
 
     async def update(self, raw: str, *, final: bool = False) -> float:
         """Send what `raw` adds to the rendering, at most every `flush_s` (unless `final`);
         returns how long until it would send again, for the reader to let the tokens of
         that time pile up: 0 while there is nothing new to show, so the first text goes
         out as soon as there is some."""
-        if self.diverged:
-            return self._flush_s
         now = time.perf_counter()
         if not final and (wait_s := self._last_flush + self._flush_s - now) > 0:
             return wait_s
@@ -119,14 +125,12 @@ class _DeltaWriter:
         if not isinstance(partial, dict):
             return 0.0
         text = render(partial)
-        if text.startswith(self.sent):
-            if len(text) > len(self.sent):
-                delta, self.sent = text[len(self.sent) :], text
-                self._last_flush = now
-                await self._emit(delta)
-                return self._flush_s
-        elif not self.sent.startswith(text):
-            self.diverged = True  # a retry wrote something else: leave it to `done`
+        # The rendering of a longer prefix extends that of a shorter one (module docstring).
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            delta, self.sent = text[len(self.sent) :], text
+            self._last_flush = now
+            await self._emit(delta)
+            return self._flush_s
         return 0.0
 
 
@@ -144,6 +148,9 @@ class AnswerResult(StageResult):
     answer: Answer
     # The call behind it (usage, queue time); None when the cache or another scan's call served it.
     _call: ChatResult | None = PrivateAttr(default=None)
+
+    def served_by(self) -> str | None:
+        return self._call.upstream if self._call is not None else None
 
     def queue_seconds(self) -> float:
         return self._call.queue_s if self._call is not None else 0.0
@@ -163,7 +170,6 @@ class AnswerStage:
         limits = CacheLimits(s.answer_cache_entries, s.answer_cache_bytes, s.answer_cache_ttl_s)
         return cls(
             env.upstream,
-            shape=s.call_shape(cls.name),
             delta_flush_s=s.delta_flush_ms / 1000,
             timeout_s=s.answer_timeout_s,
             cache=ReplyCache.bounded(cls.name, limits, clock=env.clock, metrics=env.metrics),
@@ -173,7 +179,6 @@ class AnswerStage:
         self,
         upstream: Upstream,
         *,
-        shape: CallShape,
         delta_flush_s: float,
         timeout_s: float,
         cache: ReplyCache | None = None,
@@ -181,7 +186,6 @@ class AnswerStage:
         self.timeout_s = timeout_s
         self._upstream = upstream
         self._cache = cache
-        self._shape = shape
         self._delta_flush_s = delta_flush_s
         self._response_format = {
             "type": "json_schema",
@@ -189,12 +193,12 @@ class AnswerStage:
         }
         # The schema is part of the prompt OpenAI counts; constant, so priced once.
         self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
-        # What shapes every request but its messages.
-        self._request_shape = request_digest(shape.model, shape.params, self._response_format)
+        # What shapes every request but its messages: the models that may answer it, the schema.
+        self._request_shape = request_digest(upstream.models("answer"), self._response_format)
 
-    def build_call(
+    def build_request(
         self, vision: VisionResult, rule: RuleResult, user_input: str | None, safety_id: str | None = None
-    ) -> ChatCall:
+    ) -> ChatRequest:
         c = vision.classification
         # The rule first: every scan of its category sends it (see the module docstring).
         facts: dict[str, Any] = {
@@ -210,28 +214,33 @@ class AnswerStage:
                 "content": orjson.dumps(facts).decode(),  # compact, non-ASCII as it is
             },
         ]
-        return ChatCall(
-            stage="answer",
-            shape=self._shape,
-            messages=messages,
-            prompt_estimate=estimate_chat_tokens(messages) + self._schema_tokens,
+        return ChatRequest(
+            "answer",
+            messages,
             response_format=self._response_format,
             safety_identifier=safety_id,
+            extra_prompt_tokens=self._schema_tokens,
         )
 
-    def cache_key(self, call: ChatCall) -> str:
-        return request_digest(self._request_shape, call.messages)
+    def cache_key(self, request: ChatRequest) -> str:
+        return request_digest(self._request_shape, request.messages)
 
     async def run(self, ctx: ScanContext) -> AnswerResult:
-        writer = _DeltaWriter(ctx.emit_delta, self._delta_flush_s)
+        writer = _DeltaWriter(ctx.emit_delta, ctx.discard_text, self._delta_flush_s)
         user_input = ctx.scan.input.user_input
-        call = self.build_call(ctx.result(VisionResult), ctx.result(RuleResult), user_input, ctx.safety_id)
+        request = self.build_request(
+            ctx.result(VisionResult), ctx.result(RuleResult), user_input, ctx.safety_id
+        )
         made: list[ChatResult] = []
 
         async def write() -> str:
             # Deltas go out at most every `delta_flush_s`, and the stream is read when the
             # next may go: the tokens of the meantime are parsed in one wake-up.
-            made.append(await self._upstream.stream(call, deadline=ctx.deadline, on_text=writer.update))
+            made.append(
+                await self._upstream.stream(
+                    request, deadline=ctx.deadline, on_text=writer.update, on_restart=writer.restart
+                )
+            )
             await writer.update(made[0].text, final=True)
             parse_answer(made[0].text)  # an unusable reply raises here: never kept, never shared
             return made[0].text
@@ -239,7 +248,7 @@ class AnswerStage:
         if self._cache is None or user_input:
             text = await write()
         else:
-            text = await self._cache.get_or_call(self.cache_key(call), write)
+            text = await self._cache.get_or_call(self.cache_key(request), write)
         # From the cache or another scan's call: the whole rendering as one delta (after a
         # call of this scan's own, everything was sent already and this sends nothing).
         await writer.update(text, final=True)

@@ -52,6 +52,10 @@ class StageResult(BaseModel):
         """Of the stage's time, how much was spent waiting for a gate or the budget."""
         return 0.0
 
+    def served_by(self) -> str | None:
+        """The deployment whose call made it (None: no call of this scan's, e.g. a cached reply)."""
+        return None
+
     def event_fields(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 

@@ -45,6 +45,7 @@ class ScanContext:
     scan: AcceptedScan
     safety_id: str | None  # what OpenAI's safety_identifier gets (a hash, never the id)
     emit_delta: Callable[[str], Awaitable[None]]  # text a stage streams (`delta` events)
+    discard_text: Callable[[], Awaitable[None]]  # ...void from here on (a `discard` event)
     deadline: float = 0.0  # the current stage's, on the pipeline's clock
     results: dict[type, object] = field(default_factory=dict)  # result type -> the result
 

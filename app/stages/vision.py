@@ -30,10 +30,10 @@ from app.db.taxonomy import Classification, Taxonomy
 from app.errors import UpstreamBadResponse
 from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext, ScanInput
-from app.upstream.client import ChatCall, ChatResult, Upstream
-from app.upstream.profiles import CallShape
+from app.upstream.call import ChatRequest, ChatResult
+from app.upstream.client import Upstream
 from app.upstream.reply_cache import CacheLimits, ReplyCache, request_digest
-from app.upstream.tokens import estimate_chat_tokens, estimate_text_tokens
+from app.upstream.tokens import estimate_text_tokens
 
 MAX_TAGS = 8
 MAX_ITEM_CHARS = 30
@@ -59,6 +59,9 @@ class VisionResult(StageResult):
     # scan's call served it.
     _call: ChatResult = PrivateAttr(default_factory=ChatResult)
 
+    def served_by(self) -> str | None:
+        return self._call.upstream
+
     def queue_seconds(self) -> float:
         return self._call.queue_s
 
@@ -78,7 +81,6 @@ class VisionStage:
         return cls(
             env.upstream,
             env.taxonomy,
-            shape=s.call_shape(cls.name),
             detail=s.vision_detail,
             timeout_s=s.vision_timeout_s,
             cache=ReplyCache.bounded(cls.name, limits, clock=env.clock, metrics=env.metrics),
@@ -89,7 +91,6 @@ class VisionStage:
         upstream: Upstream,
         taxonomy: Taxonomy,
         *,
-        shape: CallShape,
         detail: str,
         timeout_s: float,
         cache: ReplyCache | None = None,
@@ -98,7 +99,6 @@ class VisionStage:
         self._upstream = upstream
         self._cache = cache
         self._taxonomy = taxonomy
-        self._shape = shape
         self._detail = detail
         self._response_format = {
             "type": "json_schema",
@@ -110,30 +110,32 @@ class VisionStage:
         }
         # The schema is part of the prompt OpenAI counts; constant, so priced once.
         self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
-        # Asked on every admission: priced once.
-        self._typical_tokens = self.typical_call_tokens()
-        # What shapes every request but the photo and the note, laid out as sent.
+        # Asked on every admission: what a typical call (an uploaded photo, no note) would
+        # reserve on each route, priced once.
+        typical = ChatRequest(
+            "vision",
+            self._messages(ScanInput("upload", "<photo>", None)),
+            image_sizes={"<photo>": TYPICAL_IMAGE_SIZE},
+            extra_prompt_tokens=self._schema_tokens,
+        )
+        self._typical_tokens = {
+            route.name: route.limiter_tokens(route.estimate(typical))
+            for route in upstream.routes_for("vision")
+        }
+        # What shapes every request but the photo and the note, laid out as sent: the
+        # models that may answer it, the schema, the prompt.
         template = self._messages(ScanInput("upload", "<photo>", "<note>"))
-        self._request_shape = request_digest(shape.model, shape.params, self._response_format, template)
+        self._request_shape = request_digest(upstream.models("vision"), self._response_format, template)
 
-    def typical_call_tokens(self) -> int:
-        """Tokens a typical call reserves (an uploaded photo, no note): admission's yardstick."""
-        image = self._shape.profile.image.tokens(*TYPICAL_IMAGE_SIZE, self._detail)
-        messages = self._messages(ScanInput("upload", "", None))
-        return estimate_chat_tokens(messages) + image + self._schema_tokens + self._shape.completion_cap
-
-    def build_call(self, scan: ScanInput, *, safety_id: str | None = None) -> ChatCall:
+    def build_request(self, scan: ScanInput, *, safety_id: str | None = None) -> ChatRequest:
         sizes = {scan.image_url: (scan.image.width, scan.image.height)} if scan.image else None
-        messages = self._messages(scan)
-        billing = self._shape.profile.image
-        return ChatCall(
-            stage="vision",
-            shape=self._shape,
-            messages=messages,
-            prompt_estimate=estimate_chat_tokens(messages, image_sizes=sizes, image_billing=billing)
-            + self._schema_tokens,
+        return ChatRequest(
+            "vision",
+            self._messages(scan),
             response_format=self._response_format,
             safety_identifier=safety_id,
+            image_sizes=sizes,
+            extra_prompt_tokens=self._schema_tokens,
         )
 
     def _messages(self, scan: ScanInput) -> list[dict[str, Any]]:
@@ -155,15 +157,17 @@ class VisionStage:
 
     def predicted_budget_wait(self, owed_calls: int) -> float:
         """How long a new scan's vision call would wait for the budget: admission's test."""
-        return self._upstream.predicted_wait(self._shape.model, self._typical_tokens, ahead=owed_calls)
+        return self._upstream.predicted_wait(
+            "vision", lambda route: self._typical_tokens[route.name], ahead=owed_calls
+        )
 
     async def run(self, ctx: ScanContext) -> VisionResult:
         scan = ctx.scan.input
         made: list[ChatResult] = []
 
         async def classify() -> str:
-            call = self.build_call(scan, safety_id=ctx.safety_id)
-            made.append(await self._upstream.complete(call, deadline=ctx.deadline))
+            request = self.build_request(scan, safety_id=ctx.safety_id)
+            made.append(await self._upstream.complete(request, deadline=ctx.deadline))
             self.parse(made[0].text)  # an unusable reply raises here: never kept, never shared
             return made[0].text
 

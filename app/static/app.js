@@ -1,5 +1,5 @@
 // ecoscan's "try it" page: downscale a photo, POST it, read the SSE stream with fetch.
-// Plain ES module, no dependencies. The contract is README.md's "The event stream".
+// Plain ES module, no dependencies. The contract is docs/api.md's "The event stream".
 
 const SCAN_URL = "/api/v1/scan/classify/completion";
 // The service's IMAGE_LONG_SIDE (app/http/page.py writes it into the page): a photo downscaled
@@ -402,6 +402,9 @@ function handleEvent(scan, sse) {
   } else if (sse.event === "delta") {
     els.answerCard.hidden = false;
     els.answerText.append(data.text || "");
+  } else if (sse.event === "discard") {
+    // The answer is being written again (its call failed and started over elsewhere).
+    els.answerText.textContent = "";
   } else if (sse.event === "done") {
     scan.terminal = true;
     // The stages are the service's list, written into the page (app/http/page.py).

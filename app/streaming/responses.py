@@ -5,7 +5,7 @@ bytes go out (sends, ping, disconnects) is app/streaming/sse_response.py.
 
 The response only *reads* the scan's event log, from any position (`Last-Event-ID`),
 until its terminal event. A shutdown does not cut it: the drain ends every scan with a
-terminal event first (see `take_over_shutdown`). When the client goes away, the
+terminal event first (app/scans/drain.py). When the client goes away, the
 response cancels this generator; its `finally` detaches from the run, and the last
 follower leaving starts the scan's disconnect grace, after which the pipeline task is
 cancelled and cleans up on its own (closes the upstream stream, writes the `cancelled`
@@ -19,36 +19,27 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from sse_starlette import EventSourceResponse
-from sse_starlette.sse import AppStatus
 
 from app.runtime.metrics import Metrics
 from app.scans.events import EventLog, LogEntry
 from app.scans.run import ScanRun
-from app.streaming.sse_response import LeanEventSourceResponse
+from app.streaming.sse_response import EventStreamResponse
 
 # A client that stops reading (its TCP window full) blocks a send; after this long the
 # stream ends as if it had disconnected, instead of holding the response forever.
 SEND_TIMEOUT_S = 30.0
 
 
-def take_over_shutdown() -> None:
-    """Left alone, sse-starlette ends every stream the moment uvicorn sees SIGTERM, before
-    the scans have sent their terminal events. The drain (app/scans/drain.py) ends the scans
-    instead, and each stream closes after its terminal event."""
-    AppStatus.disable_automatic_graceful_drain()  # type: ignore[no-untyped-call]
-
-
 def scan_response(
     run: ScanRun, metrics: Metrics, *, ping_s: float, headers: dict[str, str] | None = None
-) -> EventSourceResponse:
+) -> EventStreamResponse:
     """The stream of a scan just accepted: every event, live."""
     return _response(str(run.scan.id), _live(run, metrics, 0, first_event=True), ping_s, headers)
 
 
 def resumed_response(
     run: ScanRun, metrics: Metrics, *, after: int, ping_s: float, headers: dict[str, str] | None = None
-) -> EventSourceResponse:
+) -> EventStreamResponse:
     """A scan this process runs (or just ran), from `after` on, live to its end."""
     return _response(str(run.scan.id), _live(run, metrics, after, first_event=False), ping_s, headers)
 
@@ -61,7 +52,7 @@ def replayed_response(
     after: int,
     ping_s: float,
     headers: dict[str, str] | None = None,
-) -> EventSourceResponse:
+) -> EventStreamResponse:
     """A finished scan's stored log from `after` on: the same bytes the original sent."""
     return _response(job_id, _stored(job_id, log, after, metrics), ping_s, headers)
 
@@ -73,7 +64,7 @@ def followed_response(
     *,
     ping_s: float,
     headers: dict[str, str] | None = None,
-) -> EventSourceResponse:
+) -> EventStreamResponse:
     """A scan another replica runs, from the Redis Stream it mirrors its log to
     (app/scans/mirror.py): the same bytes its owner sends."""
     return _response(job_id, _mirrored(job_id, entries, metrics), ping_s, headers)
@@ -84,8 +75,8 @@ def _response(
     events: AsyncIterator[bytes],
     ping_s: float,
     headers: dict[str, str] | None,
-) -> EventSourceResponse:
-    return LeanEventSourceResponse(
+) -> EventStreamResponse:
+    return EventStreamResponse(
         events,
         ping=ping_s,
         send_timeout=SEND_TIMEOUT_S,

@@ -1,32 +1,41 @@
-"""How a scan's SSE bytes go out: sse-starlette's `EventSourceResponse` (its headers,
-framing and HEAD handling) run at a fraction of its per-response cost.
+"""How a scan's SSE bytes go out: `EventStreamResponse`, a `text/event-stream` response
+of our own on Starlette's public `StreamingResponse` and the ASGI HTTP messages.
 
-sse-starlette runs every response as an anyio task group of four tasks (the body, a
-pinger, a shutdown-signal listener and a disconnect listener) and wraps every send in
-an anyio cancel scope. Under load that was a tenth of the service's CPU
-(k6/cpu_per_scan.py --profile; README, cost per scan). Here the body is sent from the
-request's own task; one timer, the watchdog, bounds every send by `send_timeout` (a timer
-per send would cost more than the send); one small task waits for the client's
-disconnect; the ping is a timer that starts a task only when a ping is due
-(scans are usually over before the first); the shutdown listener is not needed, since
-the drain ends every scan with a terminal event (app/scans/drain.py) and the stream closes
-after it.
+Why not sse-starlette's `EventSourceResponse`: it runs every response as an anyio task
+group of four tasks (the body, a pinger, a shutdown listener, a disconnect listener) and
+wraps every send in a cancel scope, a cost that k6/cpu_side_by_side.py shows plainly in
+CPU per scan. Here the body is sent from the request's own task; one timer, the
+watchdog, bounds every send by `send_timeout` (a timer per send would cost more than the
+send); one small task waits for the client's disconnect; the ping is a timer that starts
+a task only when a ping is due (scans are usually over before the first).
+
+What it keeps of sse-starlette's response, so clients see no difference: its headers
+(`Cache-Control: no-store` unless given, `Connection: keep-alive`, `X-Accel-Buffering:
+no`, `text/event-stream; charset=utf-8`), its ping comment (`: ping - <UTC time>`), and
+HEAD answered with the headers alone. What it leaves out: a shutdown listener. The drain
+(app/scans/drain.py) takes SIGTERM first and ends every scan with a terminal event
+before uvicorn hears of it; each stream closes after its terminal event.
 
 Ending early, the body iterator is closed, so its `finally` runs (the scan's follower
 detaches): when the client disconnects, or stops reading for `send_timeout` seconds (a
 warning here, and uvicorn's own line about the unfinished response; no traceback).
-sse-starlette's shutdown event, data-sender and close-handler options are not used here.
+
+Relies on, as of Starlette 1.10 and uvicorn 0.54: `StreamingResponse.__init__` setting
+`body_iterator`, `status_code`, `raw_headers` and `background`; the ASGI HTTP messages
+(`http.response.start`, `http.response.body`, `http.disconnect`); and a server that
+reports a finished response to `receive` as `http.disconnect` (uvicorn does).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
 
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from sse_starlette.event import ensure_bytes
-from starlette.types import Receive, Scope, Send
+from starlette.datastructures import MutableHeaders
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -34,22 +43,50 @@ log = logging.getLogger(__name__)
 BODY_CLOSE_TIMEOUT_S = 5.0
 
 
-class LeanEventSourceResponse(EventSourceResponse):
-    _stopped: str | None = None  # why the body stopped early: "disconnect" or "send timeout"
-    _ended = False  # the last body message went out
-    _stream_task: asyncio.Task[object] | None = None
-    _ping_timer: asyncio.TimerHandle | None = None
-    _ping_task: asyncio.Task[None] | None = None
-    _sending_since: float | None = None  # the loop's time when the send in progress began
-    _watchdog: asyncio.TimerHandle | None = None
+class EventStreamResponse(StreamingResponse):
+    """`content` yields SSE frames as bytes; `ping` seconds of quiet bring a ping comment
+    (0: none); a send that waits `send_timeout` seconds ends the stream."""
+
+    media_type = "text/event-stream"
+    body_iterator: AsyncIterator[bytes]
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        ping: float,
+        send_timeout: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        sse_headers = MutableHeaders(headers=dict(headers or {}))
+        sse_headers.setdefault("Cache-Control", "no-store")
+        sse_headers["Connection"] = "keep-alive"
+        sse_headers["X-Accel-Buffering"] = "no"
+        super().__init__(content, headers=sse_headers)
+        self.ping_s = ping
+        self.send_timeout = send_timeout
+        self.active = True  # false once the body has stopped, for whatever reason
+        self._stopped: str | None = None  # why it stopped early: "disconnect" or "send timeout"
+        self._ended = False  # the last body message went out
+        self._stream_task: asyncio.Task[object] | None = None
+        self._lock = asyncio.Lock()  # a ping and a body send never go out at once
+        self._ping_timer: asyncio.TimerHandle | None = None
+        self._ping_task: asyncio.Task[None] | None = None
+        self._sending_since: float | None = None  # the loop's time when the send in progress began
+        self._watchdog: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"].upper() == "HEAD":
-            await super().__call__(scope, receive, send)
-            return
+        if scope["method"].upper() == "HEAD":  # an endless stream must not start for HEAD
+            await send(self._start())
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            await self._stream(receive, send)
+        if self.background is not None:
+            await self.background()
+
+    async def _stream(self, receive: Receive, send: Send) -> None:
         self._stream_task = task = asyncio.current_task()
         assert task is not None
-        self._lock = asyncio.Lock()
         listener = asyncio.create_task(self._listen_for_disconnect_and_stop(receive))
         self._arm_ping(send)
         self._arm_watchdog()
@@ -72,19 +109,20 @@ class LeanEventSourceResponse(EventSourceResponse):
                 self.headers.get("x-scan-id"),
                 self.send_timeout,
             )
-        if self.background is not None:
-            await self.background()
 
     async def _send_body(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send(self._start())
         async for chunk in self.body_iterator:
             if not self.active:  # stopped, should a body swallow the one cancellation
                 return
-            await self._send(send, ensure_bytes(chunk, self.sep))
+            await self._send(send, chunk)
         await self._send(send, b"", more_body=False)
         # Before anything else runs: uvicorn reports the finished response to `receive` as a
         # disconnect, which must not stop anything now.
         self._ended = True
+
+    def _start(self) -> Message:
+        return {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
 
     async def _send(self, send: Send, chunk: bytes, *, more_body: bool = True) -> None:
         """One body message (the watchdog's to bound, the last one too). Only a ping takes
@@ -137,9 +175,9 @@ class LeanEventSourceResponse(EventSourceResponse):
                 self._stream_task.cancel()
 
     def _arm_ping(self, send: Send) -> None:
-        if self.ping_interval > 0 and self.active:
+        if self.ping_s > 0 and self.active:
             loop = asyncio.get_running_loop()
-            self._ping_timer = loop.call_later(self.ping_interval, self._ping_due, send)
+            self._ping_timer = loop.call_later(self.ping_s, self._ping_due, send)
 
     def _disarm_ping(self) -> None:
         if self._ping_timer is not None:
@@ -151,11 +189,14 @@ class LeanEventSourceResponse(EventSourceResponse):
         self._ping_task = asyncio.get_running_loop().create_task(self._ping_once(send))
 
     async def _ping_once(self, send: Send) -> None:
-        comment = f"ping - {datetime.now(UTC)}"
-        ping = ServerSentEvent(comment=comment, sep=self.sep).encode()
         async with self._lock:
             if not self.active or self._ended:
                 return
             if self._sending_since is None:  # else the body is sending: no ping is needed now
-                await self._send_now(send, ping, True)
+                await self._send_now(send, ping_comment(), True)
         self._arm_ping(send)
+
+
+def ping_comment() -> bytes:
+    """The keep-alive comment, as sse-starlette writes it: `: ping - <UTC time>`."""
+    return b": ping - %s\r\n\r\n" % str(datetime.now(UTC)).encode()

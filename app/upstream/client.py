@@ -1,296 +1,224 @@
-"""Every OpenAI call goes through `Upstream`: stage gate -> rate budget -> call ->
-reconcile, inside the one retry loop.
+"""Every model call goes through `Upstream`: route -> stage gate -> the route's budget ->
+call -> reconcile, inside the one retry loop.
 
-Order matters. The stage gate comes first so a call waiting for budget counts
-against its stage's concurrency (the gate bounds calls in progress, waiting or
-not), and the budget is reserved last so tokens are never held by a call that is
-still queued behind the gate. After every answer, 2xx or not, the `x-ratelimit-*`
-headers correct the budget; a 429 pauses the whole budget for `retry-after` so the
-other waiters do not hammer the upstream in the meantime.
+Order matters. The stage gate comes first so a call waiting for budget counts against
+its stage's concurrency (the gate bounds calls in progress, waiting or not), and the
+budget is reserved last so tokens are never held by a call still queued behind the gate.
+After every answer, 2xx or not, the `x-ratelimit-*` headers (where the provider sends
+them) correct the budget; a 429 pauses that budget for the wait it asked for, so the
+other waiters do not hammer it meanwhile.
 
-The SDK's client is configured with `max_retries=0` (its retries would bypass the
-budget); `ChatEndpoint` sends what it would send (URL, headers, key, timeouts) over aiohttp.
+`_with_retries` is the only retry loop: `ChatEndpoint` (app/upstream/endpoint.py) sends
+each attempt once. Each attempt picks its route (app/upstream/routes.py): a failed one
+goes on at once to another deployment that can take it, and only backs off when the one
+it would go to is the one that failed. A stream that fails after its first token starts
+again from the beginning (the consumer is told to drop what it showed: `on_restart`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import NoReturn
 
 import aiohttp
-import httpx
-import openai
 import orjson
-import yarl
 
 from app.errors import (
     ScanDeadlineExceeded,
-    UpstreamBadResponse,
-    UpstreamContentFiltered,
+    ScanFailed,
     UpstreamError,
     UpstreamQuotaExhausted,
     UpstreamRateLimited,
-    UpstreamRefused,
     UpstreamRejected,
     UpstreamTimeout,
-    UpstreamTokenLimit,
+    UpstreamUnavailable,
 )
 from app.limits.clock import Clock
 from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservation
-from app.limits.retry import RetryPolicy, retry_after_from_headers
+from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
 from app.runtime.metrics import Metrics
-from app.upstream.profiles import CallShape
+from app.upstream.breaker import CLOSED, HALF_OPEN, OUT_RETRY_S, QUOTA_COOLDOWN_S
+from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
+from app.upstream.endpoint import StallWatch, until_eof
+from app.upstream.routes import NoRoute, Route, Router
+from app.upstream.wire import (
+    Pause,
+    check_finish,
+    error_body,
+    ratelimit_headers,
+    read_chunks,
+    read_completion,
+    request_body,
+)
 
 log = logging.getLogger(__name__)
 
 ENDPOINT = "chat.completions"
 
-
-# Refusal text is logged and shown to the client, but not without bound.
-MAX_REFUSAL_CHARS = 300
-# A rejection's message (or its body, if it is not OpenAI's JSON error) is logged this far.
+# A rejection's message (or its body, if it is not JSON) is logged this far.
 MAX_ERROR_BODY_CHARS = 300
 # After a stream's [DONE], how long its body's end may take to follow: a connection released
-# before it is closed rather than pooled (with OpenAI, a TLS handshake for the next call).
+# before it is closed rather than pooled (with a TLS provider, a handshake for the next call).
 STREAM_END_WAIT_S = 0.1
+# A deployment that refuses a key or has no such deployment answers these.
+OUT_STATUSES = (401, 403, 404)
 
-
-@dataclass(frozen=True)
-class ChatCall:
-    stage: str
-    shape: CallShape  # model, token cap, reasoning effort: fixed per stage at start-up
-    messages: list[dict[str, Any]]
-    prompt_estimate: int
-    response_format: dict[str, Any] | None = None
-    safety_identifier: str | None = None
-
-    @property
-    def model(self) -> str:
-        return self.shape.model
-
-    @property
-    def reservation_tokens(self) -> int:
-        return self.prompt_estimate + self.shape.completion_cap
-
-
-@dataclass
-class ChatResult:
-    text: str = ""
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None  # reasoning included
-    reasoning_tokens: int | None = None
-    cached_tokens: int | None = None  # of the prompt, served from OpenAI's prompt cache
-    finish_reason: str | None = None
-    refusal: str = ""
-    attempts: int = 0
-    queue_s: float = 0.0  # waiting for the stage gate and the budget, all attempts
-    service_s: float = 0.0  # talking to the upstream, all attempts
-
-
-def safety_identifier(user_id: str | None) -> str | None:
-    """What OpenAI's `safety_identifier` gets: a stable hash of the user id, never the id."""
-    if user_id is None:
-        return None
-    return hashlib.sha256(b"ecoscan-user:" + user_id.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-# Called with everything this attempt has received so far (a retry starts again from an
-# empty text, so the consumer can tell a fresh attempt from a continuation); returns how
-# long the consumer can do without more: the reader lets that much of the stream pile up.
-OnText = Callable[[str], Awaitable[float]]
-# Waits up to that long, less if the stream ends first.
-Pause = Callable[[float], Awaitable[None]]
 # Reads a streamed reply's bytes into the result; returns its usage, if it came.
-ReadStream = Callable[[AsyncIterator[bytes], Pause, "ChatResult"], Awaitable["_Usage | None"]]
-
-
-class _Failed(Exception):
-    """One attempt failed; `error` is what the client sees if no retry remains."""
-
-    def __init__(self, error: Exception, *, retry: bool, reason: str, wait_s: float | None = None):
-        super().__init__(reason)
-        self.error = error
-        self.retry = retry
-        self.reason = reason
-        self.wait_s = wait_s
-
-
-@dataclass(frozen=True)
-class ChatEndpoint:
-    """POST /chat/completions as the SDK's client would send it: its base URL, its headers
-    (API key, User-Agent, X-Stainless-* platform headers) and its timeouts, taken from the
-    client once at start-up, sent over aiohttp, the HTTP client under the SDK's own aiohttp
-    option, without the SDK's and httpx's per-request layers in between. Per call only the
-    body is new: those layers (options model, header merges, httpx's request and response
-    models over the aiohttp transport, its exception mapping) cost ~0.8 ms of CPU per scan
-    over this (k6/cpu_per_scan.py; README, cost per scan). Replies are read here as OpenAI
-    documents them (status, headers, JSON `error` object), not through the SDK's classes."""
-
-    session: aiohttp.ClientSession
-    url: str
-    # HTTP(S)_PROXY / NO_PROXY (credentials in the URL included), read once: aiohttp's own
-    # trust_env would read the environment and ~/.netrc again on every request.
-    proxy: yarl.URL | None
-    proxy_auth: aiohttp.BasicAuth | None
-    read_timeout_s: float | None  # the longest wait for a byte of the reply
-
-    @classmethod
-    def open(cls, client: openai.AsyncOpenAI, *, max_connections: int, keepalive_s: float) -> ChatEndpoint:
-        """The endpoint and its connection pool (an aiohttp session: `aclose` it)."""
-        sdk = {**client.default_headers, **client.auth_headers, "X-Stainless-Retry-Count": "0"}
-        timeout = (
-            client.timeout if isinstance(client.timeout, httpx.Timeout) else httpx.Timeout(client.timeout)
-        )
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_s),
-            headers={k: v for k, v in sdk.items() if isinstance(v, str)},  # not the SDK's Omit
-            # What the SDK's aiohttp transport makes of the client's httpx timeout: `read`
-            # bounds every wait for bytes (past a streamed reply's head, through
-            # `watch_stream`), `pool` the wait for a connection, `connect` the connect
-            # itself. aiohttp has no write timeout.
-            timeout=aiohttp.ClientTimeout(
-                sock_connect=timeout.connect, sock_read=timeout.read, connect=timeout.pool
-            ),
-        )
-        url = str(client.base_url.join("chat/completions"))
-        try:
-            proxy, proxy_auth = aiohttp.helpers.get_env_proxy_for_url(yarl.URL(url))
-        except LookupError:
-            proxy, proxy_auth = None, None
-        return cls(session, url, proxy, proxy_auth, timeout.read)
-
-    async def post(self, body: bytes) -> aiohttp.ClientResponse:
-        """The response as soon as its head is in (redirects followed, as the SDK's client
-        does); the caller reads and releases it."""
-        return await self.session.post(self.url, data=body, proxy=self.proxy, proxy_auth=self.proxy_auth)
-
-    def watch_stream(self, response: aiohttp.ClientResponse) -> StallWatch | None:
-        """From here on, a streamed body's read timeout is a `StallWatch`, not aiohttp's
-        timer (None: no read timeout, or the body has already ended)."""
-        connection = response.connection
-        protocol = connection.protocol if connection is not None else None
-        if self.read_timeout_s is None or protocol is None:
-            return None
-        # aiohttp re-arms its read timer on every chunk it receives (~140 in a streamed
-        # answer: ~0.3 ms of CPU a scan); the setting lasts until the connection's next
-        # request, which sets its own.
-        protocol.read_timeout = None
-        return StallWatch(response.content, self.read_timeout_s)
-
-    async def aclose(self) -> None:
-        await self.session.close()
-
-
-class StallWatch:
-    """A streamed body that sends no byte for `read_timeout_s` fails with aiohttp's own
-    read-timeout error, as under aiohttp's timer; only this looks at the byte count
-    every quarter of that time instead of re-arming a timer on every chunk. So a stall
-    is noticed after 1 to 1.25 times the timeout. (aiohttp's timer also paused while
-    aiohttp stopped reading for flow control, past 128 KiB unread; the reader here never
-    leaves more than one delta interval's tokens unread.)"""
-
-    CHECKS = 4  # per timeout
-
-    def __init__(self, content: aiohttp.StreamReader, read_timeout_s: float) -> None:
-        self._content = content
-        self._every_s = read_timeout_s / self.CHECKS
-        self._seen = content.total_bytes
-        self._idle_checks = 0
-        self._loop = asyncio.get_running_loop()
-        self._handle = self._loop.call_later(self._every_s, self._check)
-
-    def _check(self) -> None:
-        total = self._content.total_bytes
-        if total != self._seen:
-            self._seen, self._idle_checks = total, 0
-        else:
-            self._idle_checks += 1
-        if self._idle_checks < self.CHECKS:
-            self._handle = self._loop.call_later(self._every_s, self._check)
-        elif not self._content.is_eof():
-            self._content.set_exception(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
-
-    def stop(self) -> None:
-        self._handle.cancel()
+ReadStream = Callable[[AsyncIterator[bytes], Pause, ChatResult], Awaitable[Usage | None]]
 
 
 class Upstream:
     def __init__(
         self,
-        chat: ChatEndpoint,
+        router: Router,
         *,
-        budgets: Mapping[str, RateBudget],
         gates: Mapping[str, StageGate],
         retry: RetryPolicy,
         metrics: Metrics,
         clock: Clock,
     ) -> None:
-        self._chat = chat
-        self.budgets = budgets
+        self.router = router
         self.gates = gates
         self._retry = retry
         self._metrics = metrics
         self._clock = clock
+        # Every budget, by its key (limit group and model), once each.
+        self.budgets: dict[str, RateBudget] = {}
+        for route in router.routes:
+            self.budgets.setdefault(route.deployment.budget_key(route.model), route.budget)
         # Reservations taken and not yet settled: zero whenever no call is in progress.
         self.reservations_open = 0
 
-    def predicted_wait(self, model: str, tokens: int, *, ahead: int) -> float:
-        """How long a call of `tokens` would wait for `model`'s budget behind `ahead` calls
-        (plus those queued at the stage gates, which have not reached the budget yet)."""
+    @property
+    def routes(self) -> Sequence[Route]:
+        return self.router.routes
+
+    def models(self, stage: str) -> list[str]:
+        """The models that may serve `stage`, whichever deployment they are on."""
+        return sorted({route.model for route in self.router.by_stage.get(stage, [])})
+
+    def routes_for(self, stage: str) -> list[Route]:
+        return list(self.router.by_stage.get(stage, []))
+
+    def predicted_wait(self, stage: str, tokens: Callable[[Route], int], *, ahead: int) -> float:
+        """How long a `stage` call reserving `tokens(route)` would wait for a budget behind
+        `ahead` calls (plus those queued at the stage gates, not at a budget yet)."""
         queued_at_gates = sum(g.waiting for g in self.gates.values())
-        return self.budgets[model].predicted_wait(tokens, ahead=ahead + queued_at_gates)
+        return self.router.predicted_wait(stage, tokens, ahead=ahead + queued_at_gates)
 
-    async def complete(self, call: ChatCall, *, deadline: float) -> ChatResult:
-        return await self._with_retries(call, deadline, None)
+    async def complete(self, request: ChatRequest, *, deadline: float) -> ChatResult:
+        return await self._with_retries(request, deadline, None, None)
 
-    async def stream(self, call: ChatCall, *, deadline: float, on_text: OnText) -> ChatResult:
+    async def stream(
+        self, request: ChatRequest, *, deadline: float, on_text: OnText, on_restart: OnRestart | None = None
+    ) -> ChatResult:
         """A streamed call; `on_text` gets the text so far after each read of the stream, and
         says how long it can wait for more: the tokens arriving meanwhile wait in the
         socket buffer and are parsed in one go (one wake-up, one `on_text`, instead of one
-        per token), for a consumer that shows text at its own pace anyway."""
-        return await self._with_retries(call, deadline, functools.partial(_read_chunks, on_text))
+        per token), for a consumer that shows text at its own pace anyway. `on_restart`:
+        the call failed after some text and starts again (on another route if one can take
+        it): what the consumer showed of it is void."""
+        return await self._with_retries(
+            request, deadline, functools.partial(read_chunks, on_text), on_restart
+        )
 
     async def _with_retries(
-        self, call: ChatCall, deadline: float, read_stream: ReadStream | None
+        self,
+        request: ChatRequest,
+        deadline: float,
+        read_stream: ReadStream | None,
+        on_restart: OnRestart | None,
     ) -> ChatResult:
         result = ChatResult()
+        failed_on: dict[str, str] = {}  # deployment -> why it failed this call
+        failures = 0
+        chosen: Route | None = None
         while True:
+            route = chosen or self._pick(request, failed_on)
+            call = route.shaped(request)
             result.attempts += 1
             try:
-                await self._attempt(call, deadline, read_stream, result)
+                await self._attempt(route, call, deadline, read_stream, result)
+                result.upstream = route.name
                 return result
-            except _Failed as failed:
-                delay = self._retry.delay(result.attempts, failed.wait_s)
-                left = deadline - self._clock.now()
-                if not failed.retry or result.attempts >= self._retry.max_attempts or delay >= left:
-                    log.warning(
-                        "%s call failed for good after %d attempt(s): %s",
-                        call.stage,
-                        result.attempts,
-                        failed.reason,
-                    )
-                    raise failed.error from None
-                self._metrics.upstream_retries.labels(call.model, failed.reason).inc()
-                log.info(
-                    "%s call: retry %d in %.2fs (%s)",
-                    call.stage,
-                    result.attempts,
-                    delay,
-                    failed.reason,
-                )
-                await self._clock.sleep(delay)
+            except AttemptFailed as failed:
+                if failed.reason != "negotiated":
+                    failures += 1
+                    failed_on[route.name] = failed.reason
+                if result.text and on_restart is not None:
+                    self._metrics.upstream_restarts.labels(request.stage).inc()
+                    await on_restart()
+                chosen = await self._before_next(request, route, failed, failures, failed_on, deadline)
+
+    def _pick(self, request: ChatRequest, failed_on: Mapping[str, str]) -> Route:
+        try:
+            return self.router.pick(
+                request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on
+            )
+        except NoRoute as none:
+            log.warning("%s call: no deployment can take it for %.1f s", request.stage, none.wait_s)
+            raise UpstreamUnavailable(retry_after_s=max(1.0, none.wait_s)) from None
+
+    async def _before_next(
+        self,
+        request: ChatRequest,
+        route: Route,
+        failed: AttemptFailed,
+        failures: int,
+        failed_on: Mapping[str, str],
+        deadline: float,
+    ) -> Route | None:
+        """Raise when this was the last attempt; otherwise wait as long as the next one must
+        and say where it goes (None: wherever the router picks)."""
+        if failed.reason == "negotiated":  # the same route again, without what it refused
+            return route
+        left = deadline - self._clock.now()
+        if not failed.retry or failures >= self._retry.max_attempts or left <= 0:
+            self._give_up(request, failed, failures)
+        self._metrics.upstream_retries.labels(route.model, failed.reason).inc()
+        try:
+            following = self.router.pick(
+                request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on
+            )
+        except NoRoute:  # every deployment taken out (a key, a deployment, a quota): that is the answer
+            self._give_up(request, failed, failures)
+        if following.name not in failed_on:  # another deployment can take it: go at once
+            self._metrics.upstream_failovers.labels(request.stage, failed.reason).inc()
+            log.info(
+                "%s call: %s failed (%s); on to %s", request.stage, route.name, failed.reason, following.name
+            )
+            return following
+        delay = self._retry.delay(failures, failed.wait_s)
+        if delay >= left:
+            self._give_up(request, failed, failures)
+        log.info("%s call: retry %d in %.2fs (%s)", request.stage, failures, delay, failed.reason)
+        await self._clock.sleep(delay)
+        return following
+
+    def _give_up(self, request: ChatRequest, failed: AttemptFailed, failures: int) -> NoReturn:
+        """Raise the last attempt's error; a retryable one says when capacity may return:
+        the soonest any of the stage's deployments takes calls again, or the wait asked for."""
+        log.warning("%s call failed for good after %d attempt(s): %s", request.stage, failures, failed.reason)
+        error = failed.error
+        if isinstance(error, ScanFailed) and error.retryable and error.retry_after_s is None:
+            now = self._clock.now()
+            reopen = [r.breaker.open_until - now for r in self.router.by_stage.get(request.stage, [])]
+            error.retry_after_s = max(1.0, failed.wait_s or 0.0, min(reopen, default=0.0))
+        raise error from None
 
     async def _attempt(
-        self, call: ChatCall, deadline: float, read_stream: ReadStream | None, result: ChatResult
+        self,
+        route: Route,
+        call: ChatCall,
+        deadline: float,
+        read_stream: ReadStream | None,
+        result: ChatResult,
     ) -> None:
-        budget = self.budgets[call.model]
+        budget = route.budget
         gate = self.gates[call.stage]
         m = self._metrics
         async with gate.hold() as gate_wait:
@@ -300,18 +228,31 @@ class Upstream:
                 reservation = await budget.reserve(call.reservation_tokens, deadline=deadline)
             except BudgetDeadlineExceeded:
                 raise ScanDeadlineExceeded(
-                    "The OpenAI rate budget could not be had before the deadline."
+                    "The model's rate budget could not be had before the deadline."
                 ) from None
             budget_wait = time.perf_counter() - budget_started
             m.budget_wait.labels(call.model).observe(budget_wait)
             m.stage_queue.labels(call.stage, "budget").observe(budget_wait)
             result.queue_s += gate_wait + budget_wait
             m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
+            m.upstream_routed.labels(route.name, call.stage).inc()
+            route.breaker.begin(self._clock.now())
             started = time.perf_counter()
             self.reservations_open += 1
+            route.in_flight += 1
+            verdict = False
             try:
-                await self._call(call, budget, reservation, read_stream, result)
+                await self._call(route, call, reservation, read_stream, result)
+                verdict = True
+                route.breaker.succeeded(self._clock.now())
+            except AttemptFailed:
+                verdict = True
+                raise
             finally:
+                if not verdict:  # cancelled, or our own bug: no word on the deployment
+                    route.breaker.released()
+                self._show_state(route)
+                route.in_flight -= 1
                 self.reservations_open -= 1
                 elapsed = time.perf_counter() - started
                 result.service_s += elapsed
@@ -322,8 +263,8 @@ class Upstream:
 
     async def _call(
         self,
+        route: Route,
         call: ChatCall,
-        budget: RateBudget,
         reservation: Reservation,
         read_stream: ReadStream | None,
         result: ChatResult,
@@ -331,18 +272,19 @@ class Upstream:
         # What this attempt reads; a failed attempt's text, refusal or finish reason must
         # not pass for the retry's.
         result.text, result.refusal, result.finish_reason = "", "", None
+        body = route.adapt(request_body(call, stream=read_stream is not None))
         try:
-            response = await self._chat.post(orjson.dumps(_body(call, stream=read_stream is not None)))
+            response = await route.endpoint.post(orjson.dumps(body))
             watch: StallWatch | None = None
             try:
                 if not 200 <= response.status < 300:  # a 3xx too, when it was not followed
-                    raise self._status_failure(call, budget, reservation, response, await response.read())
-                self._observe(call, budget, response, "2xx")
+                    raise self._status_failure(route, call, reservation, response, await response.read())
+                self._observe(route, call, response, "2xx")
                 if read_stream is None:
-                    usage = _read_completion(await response.read(), result)
+                    usage = read_completion(await response.read(), result)
                 else:
-                    watch = self._chat.watch_stream(response)
-                    pause = functools.partial(_until_eof, response.content)
+                    watch = route.endpoint.watch_stream(response)
+                    pause = functools.partial(until_eof, response.content)
                     usage = await read_stream(response.content.iter_any(), pause, result)
                     # [DONE] is in; the body's end may be a moment behind it.
                     await pause(STREAM_END_WAIT_S)
@@ -354,15 +296,18 @@ class Upstream:
                 # After the end, the connection goes back to the pool.
                 response.release()
         except aiohttp.ClientError as exc:  # its timeouts (connect, pool, read) included
-            raise self._transport_failure(call, reservation, exc, result) from exc
+            raise self._transport_failure(route, call, reservation, exc, result) from exc
         if usage is not None:
-            self._settle(call, reservation, usage, result)
-        _check_finish(call, result)
+            self._settle(route, call, reservation, usage, result)
+        check_finish(call, result)
 
-    def _settle(self, call: ChatCall, reservation: Reservation, usage: _Usage, result: ChatResult) -> None:
+    def _settle(
+        self, route: Route, call: ChatCall, reservation: Reservation, usage: Usage, result: ChatResult
+    ) -> None:
+        """The budget spends what the provider's limiter counted (nothing back, for OpenAI
+        and Azure); what the call really used is counted apart, in the token metrics."""
         result.prompt_tokens, result.completion_tokens, result.reasoning_tokens, result.cached_tokens = usage
-        # Cached prompt tokens are cheaper, but count against TPM like any other.
-        reservation.settle(usage[0] + usage[1])
+        reservation.settle(route.provider.limiter_settles(reservation.tokens, usage[0], usage[1]))
         tokens = self._metrics.upstream_tokens
         tokens.labels(call.model, "prompt").inc(usage[0])
         tokens.labels(call.model, "completion").inc(usage[1])
@@ -370,60 +315,67 @@ class Upstream:
         tokens.labels(call.model, "cached").inc(usage[3])
 
     def _transport_failure(
-        self, call: ChatCall, reservation: Reservation, exc: Exception, result: ChatResult
-    ) -> _Failed:
+        self, route: Route, call: ChatCall, reservation: Reservation, exc: Exception, result: ChatResult
+    ) -> AttemptFailed:
         """Refused or unreachable is a connection failure, a connect or read that took too
         long a timeout; a request that never left gets its reservation back."""
         self._count(call, "error")
         never_sent = isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
         if never_sent and not result.text:
             reservation.settle(None)
-        if isinstance(exc, TimeoutError):
-            return _Failed(UpstreamTimeout(), retry=True, reason="timeout")
-        return _Failed(UpstreamError(), retry=True, reason="connection")
+        timeout = isinstance(exc, TimeoutError)
+        route.breaker.failed(self._clock.now(), "timeout" if timeout else "connection")
+        if timeout:
+            return AttemptFailed(UpstreamTimeout(), retry=True, reason="timeout")
+        return AttemptFailed(UpstreamError(), retry=True, reason="connection")
 
     def _status_failure(
         self,
+        route: Route,
         call: ChatCall,
-        budget: RateBudget,
         reservation: Reservation,
         response: aiohttp.ClientResponse,
         content: bytes,
-    ) -> _Failed:
-        headers = response.headers
+    ) -> AttemptFailed:
         status = response.status
-        body = _error_body(content)
+        provider = route.provider
+        info = provider.error_info(error_body(content))
+        wait_s = provider.wait_hint(response.headers, info)
+        now = self._clock.now()
         if status == 429:
-            self._observe(call, budget, response, "429")
-            code = _error_field(body, "code")
-            kind = _error_field(body, "type") or "unknown"
-            self._metrics.upstream_429.labels(call.model, str(code or kind)).inc()
+            self._observe(route, call, response, "429")
+            self._metrics.upstream_429.labels(call.model, str(info.code or info.kind or "unknown")).inc()
             # A 429 is not counted by the upstream: give the reservation back.
             reservation.settle(None)
-            if code == "insufficient_quota":
-                return _Failed(UpstreamQuotaExhausted(), retry=False, reason="insufficient_quota")
-            wait_s = retry_after_from_headers(headers)
-            budget.pause(wait_s if wait_s is not None else 1.0)
-            return _Failed(UpstreamRateLimited(), retry=True, reason="429", wait_s=wait_s)
+            if info.code == "insufficient_quota":
+                route.breaker.take_out(now, "insufficient_quota", QUOTA_COOLDOWN_S)
+                return AttemptFailed(UpstreamQuotaExhausted(), retry=True, reason="insufficient_quota")
+            route.budget.pause(wait_s if wait_s is not None else 1.0)
+            route.breaker.failed(now, "429", wait_s)
+            return AttemptFailed(UpstreamRateLimited(), retry=True, reason="429", wait_s=wait_s)
         status_class = f"{status // 100}xx"
-        self._observe(call, budget, response, status_class)
+        self._observe(route, call, response, status_class)
         if status >= 500 or status in (408, 409):
-            return _Failed(
-                UpstreamError(),
-                retry=True,
-                reason=status_class,
-                wait_s=retry_after_from_headers(headers),
-            )
-        message = (_error_field(body, "message") or content.decode("utf-8", "replace"))[:MAX_ERROR_BODY_CHARS]
-        log.error("upstream rejected %s call with %d: %s", call.stage, status, message)
-        return _Failed(UpstreamRejected(), retry=False, reason=status_class)
+            route.breaker.failed(now, status_class, wait_s)
+            return AttemptFailed(UpstreamError(), retry=True, reason=status_class, wait_s=wait_s)
+        message = (info.message or content.decode("utf-8", "replace"))[:MAX_ERROR_BODY_CHARS]
+        if status in OUT_STATUSES:
+            route.breaker.take_out(now, f"{status}: {message}", OUT_RETRY_S)
+            return AttemptFailed(UpstreamRejected(), retry=True, reason=status_class)
+        parameter = provider.refused_parameter(status, info)
+        if parameter is not None and route.negotiation.learn(parameter):
+            reservation.settle(None)  # refused before any work: not counted
+            self._metrics.upstream_negotiated.labels(route.name, parameter.rsplit(".", 1)[-1]).inc()
+            return AttemptFailed(UpstreamRejected(), retry=True, reason="negotiated")
+        log.error("upstream %s rejected %s call with %d: %s", route.name, call.stage, status, message)
+        return AttemptFailed(UpstreamRejected(), retry=False, reason=status_class)
 
-    def _observe(
-        self, call: ChatCall, budget: RateBudget, response: aiohttp.ClientResponse, status: str
-    ) -> None:
+    def _observe(self, route: Route, call: ChatCall, response: aiohttp.ClientResponse, status: str) -> None:
         self._count(call, status)
-        limits = _ratelimit_headers(response.raw_headers)
-        budget.observe_headers(limits)
+        if not route.provider.rate_headers:
+            return
+        limits = ratelimit_headers(response.raw_headers)
+        route.budget.observe_headers(limits)
         for resource in ("requests", "tokens"):
             raw = limits.get(f"x-ratelimit-remaining-{resource}")
             if raw is not None and raw.isdigit():
@@ -432,223 +384,7 @@ class Upstream:
     def _count(self, call: ChatCall, status: str) -> None:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
 
-
-_Usage = tuple[int, int, int, int]  # prompt, completion (reasoning included), reasoning, cached
-
-
-def _body(call: ChatCall, *, stream: bool) -> dict[str, Any]:
-    """The request body, as wire-format JSON. tests/test_real_models.py checks the bodies
-    the simulator received against the SDK's own `CompletionCreateParams` types."""
-    body: dict[str, Any] = {"model": call.model, "messages": call.messages, **call.shape.params}
-    if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    if call.response_format is not None:
-        body["response_format"] = call.response_format
-    if call.safety_identifier is not None:
-        body["safety_identifier"] = call.safety_identifier
-    return body
-
-
-def _read_completion(content: bytes, result: ChatResult) -> _Usage | None:
-    """A whole (not streamed) reply: its first choice and its usage. Not JSON is a bad
-    body (retried: a cut connection can do that); JSON of another shape is `_bad_shape`."""
-    try:
-        completion = orjson.loads(content)
-    except ValueError:
-        raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_body") from None
-    try:
-        return _read_reply(completion, result)
-    except _SHAPE_ERRORS:
-        raise _bad_shape() from None
-
-
-def _read_reply(completion: dict[str, Any], result: ChatResult) -> _Usage | None:
-    """The first choice's text, refusal and finish reason (into `result`) and the usage."""
-    choices = completion.get("choices") or ()
-    choice = choices[0] if choices else None
-    if isinstance(choice, dict):
-        message = choice.get("message") or {}
-        text, refusal = message.get("content") or "", message.get("refusal") or ""
-        result.text, result.refusal = _string(text), _string(refusal)
-        result.finish_reason = _finish_reason(choice)
-    usage = completion.get("usage")
-    return _usage_of(usage) if isinstance(usage, dict) else None
-
-
-def _usage_of(u: dict[str, Any]) -> _Usage:
-    details = u.get("completion_tokens_details") or {}
-    prompt_details = u.get("prompt_tokens_details") or {}
-    return (
-        _token_count(u.get("prompt_tokens", 0)),
-        _token_count(u.get("completion_tokens", 0)),
-        _token_count(details.get("reasoning_tokens") or 0),
-        _token_count(prompt_details.get("cached_tokens") or 0),
-    )
-
-
-# A reply that is JSON but not of the shape OpenAI documents (a piece of text that is not
-# a string, a choice that is not an object, a token count that is not a count) fails the
-# call without a retry: unlike a cut connection, the same server would answer the same way,
-# and each attempt is billed. The reading code inside is small and only reads the reply.
-_SHAPE_ERRORS = (AttributeError, TypeError, LookupError, ValueError)
-# No model's context comes near this: a larger count is not a count.
-MAX_TOKEN_COUNT = 100_000_000
-
-
-def _bad_shape() -> _Failed:
-    return _Failed(UpstreamBadResponse(), retry=False, reason="bad_shape")
-
-
-def _string(value: object) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"a string was expected, not {type(value).__name__}")
-    return value
-
-
-def _finish_reason(choice: dict[str, Any]) -> str | None:
-    reason = choice.get("finish_reason")
-    return None if reason is None else _string(reason)
-
-
-def _token_count(value: object) -> int:
-    if type(value) is not int or not 0 <= value <= MAX_TOKEN_COUNT:
-        raise ValueError(f"not a token count: {value!r}")
-    return value
-
-
-async def _read_chunks(
-    on_text: OnText, stream: AsyncIterator[bytes], pause: Pause, result: ChatResult
-) -> _Usage | None:
-    """Consume a Chat Completions event stream; returns the usage if it was sent.
-
-    Lines are split from raw bytes here rather than by a line reader (one wake-up per
-    read, not per line), and the chunks of one read are parsed by one orjson call. A stream
-    that ends without `[DONE]` or without a finish reason was cut off on the way: retried."""
-    usage: _Usage | None = None
-    text = ""  # this attempt's: a retry starts again from nothing
-    buffer = b""
-    async for data in stream:
-        *lines, buffer = (buffer + data).split(b"\n")
-        payloads = [line[5:].strip() for line in lines if line.startswith(b"data:")]
-        done = b"[DONE]" in payloads
-        if done:
-            del payloads[payloads.index(b"[DONE]") :]
-        wait_s = 0.0
-        if payloads:
-            piece, usage = _read_batch(payloads, result, usage)
-            if piece:
-                text += piece
-                result.text = text
-                wait_s = await on_text(text)
-        if done:
-            if result.finish_reason is None:
-                break
-            return usage
-        if wait_s > 0:
-            await pause(wait_s)
-    raise _Failed(UpstreamError(), retry=True, reason="truncated")
-
-
-async def _until_eof(content: aiohttp.StreamReader, seconds: float) -> None:
-    """A pause of the reader: tokens pile up unread meanwhile, unless the stream ends. A
-    timer and the stream's end race to wake it (no cancellation, no exception: a timeout
-    scope that expires costs several times a timer)."""
-    loop = asyncio.get_running_loop()
-    woken = loop.create_future()
-    timer = loop.call_later(seconds, _wake, woken)
-    content.on_eof(functools.partial(_wake, woken))  # at once if it has ended
-    try:
-        await woken
-    finally:
-        timer.cancel()
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-def _read_batch(payloads: list[bytes], result: ChatResult, usage: _Usage | None) -> tuple[str, _Usage | None]:
-    """Streamed chunks (`data:` payloads) as one JSON array: their text (refusal and finish
-    reason go to `result`) and the last usage seen. Not JSON is a bad chunk (retried);
-    JSON of another shape is `_bad_shape` (a piece that is not a string fails its `+=`)."""
-    try:
-        # One orjson call for the read: ~25 % under jiter's, ~4x json.loads on these chunks.
-        chunks = orjson.loads(b"[" + b",".join(payloads) + b"]")
-    except ValueError:
-        raise _Failed(UpstreamBadResponse(), retry=True, reason="bad_chunk") from None
-    text = ""
-    try:
-        for chunk in chunks:
-            if type(chunk) is not dict:
-                raise TypeError("a chunk is an object")
-            if "error" in chunk:  # OpenAI reports some failures inside a started stream
-                raise _Failed(UpstreamError(), retry=True, reason="stream_error")
-            if chunk.get("usage"):
-                usage = _usage_of(chunk["usage"])
-            for choice in chunk.get("choices") or ():
-                if choice.get("index", 0) != 0:
-                    continue
-                if reason := choice.get("finish_reason"):
-                    result.finish_reason = _string(reason)
-                delta = choice.get("delta") or {}
-                if refusal := delta.get("refusal"):
-                    result.refusal += refusal
-                if piece := delta.get("content"):
-                    text += piece
-    except _SHAPE_ERRORS:
-        raise _bad_shape() from None
-    return text, usage
-
-
-def _ratelimit_headers(raw_headers: tuple[tuple[bytes, bytes], ...]) -> dict[str, str]:
-    """The response's `x-ratelimit-*` headers by lower-case name, read once from the raw
-    list rather than by one case-insensitive lookup each."""
-    return {
-        key.decode("latin-1").lower(): value.decode("latin-1")
-        for key, value in raw_headers
-        if key[:12].lower() == b"x-ratelimit-"
-    }
-
-
-def _check_finish(call: ChatCall, result: ChatResult) -> None:
-    """A reply that arrived whole but is not an answer: refused, filtered or cut off."""
-    if result.refusal:
-        refusal = " ".join(result.refusal.split())[:MAX_REFUSAL_CHARS]
-        log.warning("%s call refused by %s: %s", call.stage, call.model, refusal)
-        refused = UpstreamRefused(f"The AI model declined to answer: {refusal}")
-        raise _Failed(refused, retry=False, reason="refusal")
-    if result.finish_reason == "content_filter":
-        raise _Failed(UpstreamContentFiltered(), retry=False, reason="content_filter")
-    if result.finish_reason == "length":
-        cap = call.shape.completion_cap
-        reasoning = result.reasoning_tokens or 0
-        log.warning(
-            "%s call to %s hit its %d-token cap (%d reasoning tokens, %d characters of reply)",
-            call.stage,
-            call.model,
-            cap,
-            reasoning,
-            len(result.text),
-        )
-        detail = "no visible reply" if not result.text else "the reply was incomplete"
-        cut = UpstreamTokenLimit(f"The AI reply hit its {cap}-token limit ({detail}).")
-        raise _Failed(cut, retry=False, reason="length")
-
-
-def _error_body(content: bytes) -> object:
-    """An error reply's JSON (`{"error": {...}}`), or None if it is not JSON."""
-    try:
-        return orjson.loads(content) if content else None
-    except ValueError:
-        return None
-
-
-def _error_field(body: object, name: str) -> str | None:
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict):
-            value = inner.get(name)
-            return str(value) if value is not None else None
-    return None
+    def _show_state(self, route: Route) -> None:
+        breaker = route.breaker
+        state = 3 if breaker.out else {CLOSED: 0, HALF_OPEN: 2}.get(breaker.state, 1)
+        self._metrics.upstream_state.labels(route.name).set(state)

@@ -118,6 +118,21 @@ _TABLE: dict[str, ModelProfile] = {
     "o3-mini": _reasoning("o3-mini", _patches(1.72), _O_SERIES, "low"),
     "o4-mini": _reasoning("o4-mini", _patches(1.72), _O_SERIES, "low"),
 }
+# Gemini (its OpenAI-compatible endpoint): `max_tokens`, free sampling, images in 768-px
+# tiles; 2.5's thinking set by `reasoning_effort` (Flash can turn it off, Pro cannot).
+_GEMINI_TILES = ImageBilling("gemini_tiles")
+_GEMINI_FLASH = ("none", "low", "medium", "high")
+_TABLE.update(
+    {
+        "gemini-2.5-pro": ModelProfile(
+            "gemini-2.5-pro", _GEMINI_TILES, ("low", "medium", "high"), "low", openai=False
+        ),
+        "gemini-2.5-flash": ModelProfile(
+            "gemini-2.5-flash", _GEMINI_TILES, _GEMINI_FLASH, "none", openai=False
+        ),
+        "gemini-2.0-flash": ModelProfile("gemini-2.0-flash", _GEMINI_TILES, openai=False),
+    }
+)
 _BY_LENGTH = sorted(_TABLE.items(), key=lambda item: len(item[0]), reverse=True)
 
 DEFAULT_PROFILE = ModelProfile("default", TILES_GPT_4O, openai=False)

@@ -5,10 +5,11 @@ usage afterwards, so erring high costs a little throughput for one call and erri
 a 429. Every rule here errs high.
 
 - Text: ceil(ascii_chars / 4) + non_ascii_chars (Korean ≈ 1 token per character).
-- Images: billed per model (`ImageBilling`, chosen in `app/upstream/profiles.py`), by one of
-  OpenAI's two published rules: 512-px *tiles* (base + per-tile tokens; `low` detail is the
-  base alone) or 32-px *patches* (capped at 1536, times a per-model multiplier; `detail`
-  does not lower the cost).
+- Images: billed per model (`ImageBilling`, chosen in `app/upstream/profiles.py`, or by the
+  provider: app/upstream/providers/), by one of OpenAI's two published rules: 512-px
+  *tiles* (base + per-tile tokens; `low` detail is the base alone) or 32-px *patches*
+  (capped at 1536, times a per-model multiplier; `detail` does not lower the cost); or by
+  Gemini's: 258 tokens per 768-px tile, one tile for an image of at most 384 px a side.
 - Chat: 4 tokens per message (role and framing) + 3 for priming the reply, plus the content.
 """
 
@@ -45,7 +46,7 @@ _MAX_PATCHES = 1536
 class ImageBilling:
     """How one model family bills an image input."""
 
-    rule: Literal["tiles", "patches"]
+    rule: Literal["tiles", "patches", "gemini_tiles"]
     base_tokens: int = 0  # tiles: the flat part, and all of a `low`-detail image
     tile_tokens: int = 0  # tiles: per 512-px tile at `high`/`auto`
     patch_multiplier: float = 0.0  # patches: tokens per 32-px patch
@@ -53,6 +54,8 @@ class ImageBilling:
     def tokens(self, width: int | None, height: int | None, detail: str = "auto") -> int:
         if self.rule == "patches":
             return math.ceil(_patches(width, height) * self.patch_multiplier)
+        if self.rule == "gemini_tiles":
+            return GEMINI_TILE_TOKENS * _gemini_tiles(width, height)
         if detail.strip().lower() == "low":
             return self.base_tokens
         return self.base_tokens + self.tile_tokens * _tiles(width, height)
@@ -86,6 +89,23 @@ def _tiles(width: int | None, height: int | None) -> int:
     if (short := min(w, h)) > _SHORT_SIDE:
         w, h = max(1, w * _SHORT_SIDE // short), max(1, h * _SHORT_SIDE // short)
     return math.ceil(w / _TILE) * math.ceil(h / _TILE)
+
+
+# Gemini: an image with both sides at most 384 px is one tile; a larger one is cut into
+# 768x768 tiles; each tile is 258 tokens. `detail` does not change it.
+GEMINI_TILE_TOKENS = 258
+_GEMINI_SMALL = 384
+_GEMINI_TILE = 768
+# Unknown size: a 3072-px square, larger than anything we send.
+_GEMINI_WORST_CASE_TILES = 16
+
+
+def _gemini_tiles(width: int | None, height: int | None) -> int:
+    if width is None or height is None or width <= 0 or height <= 0:
+        return _GEMINI_WORST_CASE_TILES
+    if width <= _GEMINI_SMALL and height <= _GEMINI_SMALL:
+        return 1
+    return math.ceil(width / _GEMINI_TILE) * math.ceil(height / _GEMINI_TILE)
 
 
 def _patches(width: int | None, height: int | None) -> int:

@@ -35,7 +35,8 @@ Every event's `data` is JSON with `job_id` (the scan id), `step`, `seq` (1, 2, 3
 also the SSE `id`) and `progress` (0-100, never decreasing), plus, by event name:
 
 {STAGE_FIELDS}
-- `error`: terminal failure: `step`, `code`, `message`, `retryable`.
+- `error`: terminal failure: `step`, `code`, `message`, `retryable`, and `retry_after`
+  (seconds) when it is known when capacity returns.
 
 Comment lines (`: ping`) keep an idle connection alive. The `itemSchema` of
 `text/event-stream` is the schema of one event; its `data` has the `*Event` schema
@@ -99,6 +100,12 @@ def event_models(stages: Sequence[StageClass]) -> dict[str, list[type[BaseModel]
         step=(_one_of(streaming) if streaming else str, ...),
         text=(str, ...),
     )
+    discard = _model(
+        "DiscardEvent",
+        "`event: discard`: the text streamed so far is void: the call writing it failed and "
+        "starts again (on another deployment); the `delta`s that follow are the new text.",
+        step=(_one_of(streaming) if streaming else str, ...),
+    )
     per_stage = {f"{name}_ms": (float, ...) for name in names}
     timings = _model(
         "Timings", None, base=BaseModel, prepare_ms=(float, ...), **per_stage, total_ms=(float, ...)
@@ -106,6 +113,15 @@ def event_models(stages: Sequence[StageClass]) -> dict[str, list[type[BaseModel]
     done_fields: dict[str, Any] = {}
     for stage in stages:
         done_fields.update(_result_fields(stage, done=True))
+    calling = [stage.name for stage in stages if stage.upstream_calls]
+    if calling:
+        served = _model(
+            "Upstreams",
+            "The deployment that served each stage that calls a model (null: a cached reply).",
+            base=BaseModel,
+            **{name: (str | None, ...) for name in calling},
+        )
+        done_fields["upstreams"] = (served, ...)
     done = _model(
         "DoneEvent",
         "`event: done`: terminal success; authoritative over the deltas.",
@@ -124,8 +140,22 @@ def event_models(stages: Sequence[StageClass]) -> dict[str, list[type[BaseModel]
         code=(str, Field(description="Stable code: " + ", ".join(stream_error_codes()) + ".")),
         message=(str, ...),
         retryable=(bool, ...),
+        retry_after=(
+            int | None,
+            Field(
+                default=None,
+                ge=1,
+                description="Seconds until a retry may succeed, when known (e.g. every deployment is down).",
+            ),
+        ),
     )
-    return {"stage": [started, *completed], "delta": [delta], "done": [done], "error": [error]}
+    return {
+        "stage": [started, *completed],
+        "delta": [delta],
+        "discard": [discard],
+        "done": [done],
+        "error": [error],
+    }
 
 
 def _model(name: str, doc: str | None, *, base: type[BaseModel] = _Event, **fields: Any) -> type[BaseModel]:
@@ -173,6 +203,8 @@ def stream_description(description: str, stages: Sequence[StageClass]) -> str:
         '- `stage`: `status: "started"`; or `status: "completed"`, `duration_ms` and the stage\'s '
         f"result: {results}.",
         f"- `delta`: `step` ({_listed(streaming)}), `text`: the next piece of the guidance as it is written.",
-        f"- `done`: terminal success: {_listed([*done, 'timings'])}.",
+        "- `discard`: `step`: the text of that step streamed so far is void (its call starts "
+        "again elsewhere); the deltas that follow are the new text.",
+        f"- `done`: terminal success: {_listed([*done, 'upstreams', 'timings'])}.",
     ]
     return description.replace(STAGE_FIELDS, "\n".join(lines))

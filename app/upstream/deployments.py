@@ -1,0 +1,179 @@
+"""Where the model calls can go: deployments, each one endpoint and key of one provider,
+with the limits its provider enforces.
+
+`UPSTREAMS` (a JSON array) or `UPSTREAMS_FILE` (a TOML file of `[[upstream]]` tables)
+list them; with neither, the `OPENAI_*` settings are one implicit deployment. Keys never
+sit in the list: `api_key_env` names the environment variable that holds one.
+
+A deployment's limits are its provider's for each of its models. Deployments that share
+a `limit_group` share its limits: two keys of one OpenAI organisation (or project) are
+one group, since OpenAI's limits belong to the organisation and model, not to the key.
+So a budget belongs to a limit group and a model, never to a key.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+PROVIDERS = ("openai", "azure", "gemini", "compatible")
+STAGES = ("vision", "answer")
+TOKEN_PARAMS = ("max_completion_tokens", "max_tokens")
+
+
+class DeploymentError(ValueError):
+    """A deployment that cannot work; the message names the deployment and the field."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    provider: str
+    base_url: str
+    rpm: int
+    tpm: int
+    api_key_env: str | None = None
+    vision_model: str | None = None  # None: this deployment does not serve the vision stage
+    answer_model: str | None = None  # None: ... nor the answer stage
+    limit_group: str = ""  # a listed deployment's default: its own name
+    priority: int = 0  # lower is tried first
+    api_version: str | None = None  # Azure's classic layout (/openai/deployments/...?api-version=)
+    token_param: str | None = None  # None: the model profile's choice
+    api_key: str | None = field(default=None, repr=False, compare=False)  # resolved, never listed
+
+    def model_for(self, stage: str) -> str | None:
+        return self.vision_model if stage == "vision" else self.answer_model
+
+    def budget_key(self, model: str) -> str:
+        """The budget this deployment's calls to `model` spend: its limit group's. The
+        implicit deployment (no group) keys by model alone, as budgets always did."""
+        return f"{self.limit_group}/{model}" if self.limit_group else model
+
+
+def parse_deployments(
+    upstreams: str | None, upstreams_file: str | None, environ: Mapping[str, str] | None = None
+) -> tuple[Deployment, ...] | None:
+    """The deployments `UPSTREAMS` or `UPSTREAMS_FILE` lists (None: neither is set), each
+    with its key from `environ` (None: keys are not looked up yet)."""
+    if upstreams and upstreams_file:
+        raise DeploymentError("set UPSTREAMS or UPSTREAMS_FILE, not both")
+    if upstreams:
+        try:
+            raw = json.loads(upstreams)
+        except ValueError as exc:
+            raise DeploymentError(f"UPSTREAMS is not JSON: {exc}") from None
+        source = "UPSTREAMS"
+    elif upstreams_file:
+        try:
+            with open(upstreams_file, "rb") as f:
+                raw = tomllib.load(f).get("upstream")
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise DeploymentError(f"UPSTREAMS_FILE {upstreams_file!r}: {exc}") from None
+        source = "UPSTREAMS_FILE [[upstream]]"
+    else:
+        return None
+    if not isinstance(raw, list) or not raw:
+        raise DeploymentError(f"{source} must list at least one deployment")
+    deployments = tuple(_deployment(source, i, entry, environ) for i, entry in enumerate(raw))
+    check_deployments(deployments)
+    return deployments
+
+
+def check_deployments(deployments: Sequence[Deployment]) -> None:
+    """What only the whole list can show: unique names, every stage served, and one set
+    of limits per limit group and model."""
+    names = [d.name for d in deployments]
+    for name in names:
+        if names.count(name) > 1:
+            raise DeploymentError(f"deployment {name!r}: name: used twice")
+    for stage in STAGES:
+        if not any(d.model_for(stage) for d in deployments):
+            raise DeploymentError(f"no deployment serves the {stage} stage (set {stage}_model on one)")
+    limits: dict[str, tuple[str, int, int]] = {}
+    for d in deployments:
+        for model in {m for m in (d.vision_model, d.answer_model) if m}:
+            key = d.budget_key(model)
+            first = limits.setdefault(key, (d.name, d.rpm, d.tpm))
+            if first[1:] != (d.rpm, d.tpm):
+                raise DeploymentError(
+                    f"deployment {d.name!r}: rpm/tpm: limit group {d.limit_group!r} has {model} at "
+                    f"{first[1]} RPM / {first[2]} TPM on {first[0]!r}; one group, one set of limits"
+                )
+
+
+_FIELDS = {f.name for f in fields(Deployment)} - {"api_key"}
+_REQUIRED = ("name", "provider", "base_url", "rpm", "tpm")
+
+
+def _deployment(source: str, index: int, entry: object, environ: Mapping[str, str] | None) -> Deployment:
+    where = f"{source}[{index}]"
+    if not isinstance(entry, dict):
+        raise DeploymentError(f"{where}: a deployment is an object of fields, got {type(entry).__name__}")
+    if isinstance(entry.get("name"), str) and entry["name"]:
+        where = f"deployment {entry['name']!r}"
+    unknown = sorted(set(entry) - _FIELDS)
+    if unknown:
+        raise DeploymentError(
+            f"{where}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(_FIELDS))})"
+        )
+    for name in _REQUIRED:
+        if name not in entry:
+            raise DeploymentError(f"{where}: {name}: required")
+    values: dict[str, Any] = {}
+    for name in ("name", "provider", "base_url", "api_key_env", "vision_model", "answer_model"):
+        values[name] = _text(where, name, entry.get(name))
+    for name in ("limit_group", "api_version", "token_param"):
+        values[name] = _text(where, name, entry.get(name))
+    values["limit_group"] = values["limit_group"] or values["name"]
+    for name in ("rpm", "tpm"):
+        values[name] = _count(where, name, entry[name], minimum=1)
+    values["priority"] = _count(where, "priority", entry.get("priority", 0), minimum=0)
+    deployment = Deployment(**values)
+    _check(where, deployment)
+    return deployment if environ is None else with_key(deployment, environ)
+
+
+def _check(where: str, d: Deployment) -> None:
+    if d.provider not in PROVIDERS:
+        raise DeploymentError(f"{where}: provider: one of {', '.join(PROVIDERS)}, got {d.provider!r}")
+    parts = urlsplit(d.base_url)
+    if parts.scheme not in ("https", "http") or not parts.hostname:
+        raise DeploymentError(f"{where}: base_url: an http(s):// URL, got {d.base_url!r}")
+    if not (d.vision_model or d.answer_model):
+        raise DeploymentError(f"{where}: vision_model / answer_model: set at least one")
+    if d.token_param is not None and d.token_param not in TOKEN_PARAMS:
+        raise DeploymentError(
+            f"{where}: token_param: one of {', '.join(TOKEN_PARAMS)}, got {d.token_param!r}"
+        )
+    if d.api_key_env is None and d.provider != "compatible":
+        raise DeploymentError(f"{where}: api_key_env: required for provider {d.provider!r}")
+    if d.api_version is not None and d.provider != "azure":
+        raise DeploymentError(f"{where}: api_version: only for provider 'azure'")
+
+
+def with_key(d: Deployment, environ: Mapping[str, str]) -> Deployment:
+    """`d` with its key, read from the variable `api_key_env` names."""
+    if d.api_key_env is None:
+        return d
+    key = environ.get(d.api_key_env)
+    if not key:
+        raise DeploymentError(f"deployment {d.name!r}: api_key_env: {d.api_key_env} is not set")
+    return replace(d, api_key=key)
+
+
+def _text(where: str, name: str, value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise DeploymentError(f"{where}: {name}: a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _count(where: str, name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise DeploymentError(f"{where}: {name}: an integer >= {minimum}, got {value!r}")
+    return value

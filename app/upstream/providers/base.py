@@ -1,0 +1,105 @@
+"""What differs between the providers a deployment can be, in one class a provider: where
+the endpoint is, how the key is sent, how its limiter counts a request, where an error
+says how long to wait, what a request may carry. `Provider` itself is OpenAI's behaviour;
+each other provider's module overrides what its provider does differently."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from app.limits.retry import retry_after_from_headers
+from app.upstream.deployments import Deployment
+from app.upstream.tokens import ImageBilling
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """What an error body says, whatever its envelope."""
+
+    code: str | None = None  # e.g. insufficient_quota, rate_limit_exceeded, RESOURCE_EXHAUSTED
+    kind: str | None = None  # OpenAI's `type`, Google's `status`
+    message: str | None = None
+    retry_delay_s: float | None = None  # a wait the body states (Google's RetryInfo)
+
+
+class Provider:
+    """OpenAI's Chat Completions, as OpenAI serves it."""
+
+    name = "openai"
+    # Whether its replies carry `x-ratelimit-*` headers the budget can learn from.
+    rate_headers = True
+    # Body fields it refuses outright (sent elsewhere, left out here without a call).
+    unsupported_fields: frozenset[str] = frozenset()
+    # JSON Schema keywords its `response_format` refuses (dropped from our schemas here).
+    unsupported_schema_keywords: frozenset[str] = frozenset()
+
+    def chat_url(self, deployment: Deployment, model: str) -> str:
+        return deployment.base_url.rstrip("/") + "/chat/completions"
+
+    def auth_headers(self, deployment: Deployment) -> dict[str, str]:
+        return {"Authorization": f"Bearer {deployment.api_key}"} if deployment.api_key else {}
+
+    def limiter_tokens(self, prompt_estimate: int, completion_cap: int) -> int:
+        """What its token limiter counts when the request arrives. OpenAI's rate-limit guide
+        words it as the larger of the two; Azure's quota doc as their sum, which is also what
+        field reports on OpenAI's limiter see. The sum is the reading a budget can trust:
+        it never under-counts under either."""
+        return prompt_estimate + completion_cap
+
+    def limiter_settles(self, reserved: int, prompt_tokens: int, completion_tokens: int) -> int:
+        """What its limiter counted in the end. OpenAI's gives nothing back: what it counted
+        at arrival stays counted, however short the reply."""
+        return reserved
+
+    def image_billing(self, model: str) -> ImageBilling | None:
+        """How it bills an image for `model`; None: the model profile's (OpenAI's table)."""
+        return None
+
+    def error_info(self, body: object) -> ErrorInfo:
+        """OpenAI's envelope: `{"error": {"message", "type", "code", "param"}}`; inside a
+        one-element array too, as some servers behind a `compatible` deployment send it."""
+        if isinstance(body, list) and len(body) == 1:
+            body = body[0]
+        inner = body.get("error", body) if isinstance(body, dict) else None
+        if not isinstance(inner, dict):
+            return ErrorInfo()
+        return ErrorInfo(_text(inner.get("code")), _text(inner.get("type")), _text(inner.get("message")))
+
+    def wait_hint(self, headers: Mapping[str, str], info: ErrorInfo) -> float | None:
+        """How long the reply asks us to wait: `retry-after-ms`, then `retry-after`."""
+        return retry_after_from_headers(headers)
+
+    def refused_parameter(self, status: int, info: ErrorInfo) -> str | None:
+        """The request field a 400 says this deployment does not take, if it names one:
+        OpenAI's `param` is not kept in `ErrorInfo`, so the message is read (its wording
+        names the parameter in quotes)."""
+        if status != 400 or not info.message:
+            return None
+        return _named_parameter(info.message)
+
+
+_QUOTED = re.compile(r"['\"`]([A-Za-z_]+(?:\.[A-Za-z_]+)*)['\"`]")
+# What a 400 about an optional parameter says, across providers' wordings.
+_REFUSING = (
+    "unsupported",
+    "not supported",
+    "unknown",
+    "unrecognized",
+    "unexpected",
+    "invalid",
+    "not allowed",
+)
+
+
+def _named_parameter(message: str) -> str | None:
+    lower = message.lower()
+    if not any(word in lower for word in _REFUSING):
+        return None
+    found = _QUOTED.findall(message)
+    return found[0] if found else None
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)

@@ -1,0 +1,158 @@
+"""A `Route` is one deployment serving one stage: where its calls go (the deployment's
+endpoint), what they spend (its limit group's budget for the model), whether they can
+go (the deployment's breaker), and how the deployment's model is asked (the stage's call
+shaped for that model, its provider's body rules, what it refused so far).
+
+`Router.pick` chooses a route per attempt: among the stage's routes whose breaker lets
+a call through (all but those taken out, when every one is open), the lowest
+`priority`; within it, the one whose budget admits the call soonest, ties broken by
+fewest calls in flight; routes that already failed this call only when nothing else
+is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.limits.clock import Clock
+from app.limits.rate_budget import RateBudget
+from app.upstream.breaker import Breaker
+from app.upstream.call import ChatCall, ChatRequest
+from app.upstream.deployments import Deployment
+from app.upstream.endpoint import ChatEndpoint
+from app.upstream.negotiation import Negotiation, without_keywords
+from app.upstream.profiles import CallShape
+from app.upstream.providers.base import Provider
+from app.upstream.tokens import ImageBilling, estimate_chat_tokens
+
+
+@dataclass(eq=False)
+class Route:
+    deployment: Deployment
+    provider: Provider
+    stage: str
+    shape: CallShape
+    endpoint: ChatEndpoint  # one per deployment
+    budget: RateBudget  # one per limit group and model
+    breaker: Breaker  # one per deployment
+    negotiation: Negotiation  # one per deployment and model
+    in_flight: int = 0
+    _formats: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.deployment.name
+
+    @property
+    def model(self) -> str:
+        return self.shape.model
+
+    @property
+    def billing(self) -> ImageBilling:
+        return self.provider.image_billing(self.model) or self.shape.profile.image
+
+    def estimate(self, request: ChatRequest) -> int:
+        """The request's prompt tokens, as this deployment's model bills them."""
+        sizes = request.image_sizes
+        return estimate_chat_tokens(request.messages, image_sizes=sizes, image_billing=self.billing) + (
+            request.extra_prompt_tokens
+        )
+
+    def limiter_tokens(self, prompt_estimate: int) -> int:
+        """What this deployment's limiter counts for a call of `prompt_estimate` tokens."""
+        return self.provider.limiter_tokens(prompt_estimate, self.shape.completion_cap)
+
+    def shaped(self, request: ChatRequest) -> ChatCall:
+        estimate = self.estimate(request)
+        safety_id = request.safety_identifier
+        if "safety_identifier" in self.provider.unsupported_fields:
+            safety_id = None
+        return ChatCall(
+            stage=request.stage,
+            shape=self.shape,
+            messages=request.messages,
+            prompt_estimate=estimate,
+            response_format=self._format(request.response_format),
+            safety_identifier=safety_id,
+            upstream=self.name,
+            reservation_tokens=self.limiter_tokens(estimate),
+        )
+
+    def adapt(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A request body as this deployment's model takes it: its provider's refusals
+        known up front, then what it refused since."""
+        unsupported = self.provider.unsupported_fields
+        if unsupported and any(name in body for name in unsupported):
+            body = {k: v for k, v in body.items() if k not in unsupported}
+        return self.negotiation.apply(body)
+
+    def _format(self, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The stage's schema without the keywords this provider refuses (kept per schema)."""
+        keywords = self.provider.unsupported_schema_keywords
+        if response_format is None or not keywords or "json_schema" not in response_format:
+            return response_format
+        cached = self._formats.get(id(response_format))
+        if cached is None:
+            spec = dict(response_format["json_schema"])
+            spec["schema"] = without_keywords(spec.get("schema", {}), keywords)
+            cached = self._formats[id(response_format)] = {**response_format, "json_schema": spec}
+        return cached
+
+
+class NoRoute(Exception):
+    """No deployment can take the call now; `wait_s`: when the first one may again."""
+
+    def __init__(self, stage: str, wait_s: float) -> None:
+        super().__init__(f"no route for {stage}")
+        self.wait_s = wait_s
+
+
+class Router:
+    def __init__(self, routes: Sequence[Route], clock: Clock) -> None:
+        self._clock = clock
+        self.by_stage: dict[str, list[Route]] = {}
+        for route in routes:
+            self.by_stage.setdefault(route.stage, []).append(route)
+
+    @property
+    def routes(self) -> list[Route]:
+        return [route for routes in self.by_stage.values() for route in routes]
+
+    def pick(
+        self, stage: str, tokens: Callable[[Route], int], *, avoid: Mapping[str, object] | None = None
+    ) -> Route:
+        """The route the next attempt of a `stage` call takes (see the module docstring).
+        `tokens(route)`: what the call would reserve there."""
+        now = self._clock.now()
+        routes = self.by_stage.get(stage, [])
+        # With every route open, the calls go on anyway (a breaker steers calls between
+        # deployments, it does not stop the last ones): only routes taken out are skipped.
+        ready = [r for r in routes if r.breaker.ready(now)] or [r for r in routes if not r.breaker.out]
+        if not ready:
+            soonest = min((r.breaker.open_until for r in routes), default=now + 1.0)
+            raise NoRoute(stage, max(0.0, soonest - now))
+        fresh = [r for r in ready if not avoid or r.name not in avoid] or ready
+        top = min(r.deployment.priority for r in fresh)
+        candidates = [r for r in fresh if r.deployment.priority == top]
+        if len(candidates) == 1:
+            return candidates[0]
+        return min(candidates, key=lambda r: (r.budget.predicted_wait(tokens(r)), r.in_flight))
+
+    def predicted_wait(self, stage: str, tokens: Callable[[Route], int], *, ahead: int) -> float:
+        """How long a new `stage` call would wait for a budget behind `ahead` calls, with the
+        calls shared over the routes by their request rates: admission's look-ahead counts
+        the capacity of every route. Open breakers count as closed when every route is open
+        (calls then go on at the retry policy's pace, probing); routes taken out do not count
+        (nothing waits for them but their cooldown)."""
+        now = self._clock.now()
+        routes = self.by_stage.get(stage, [])
+        usable = [r for r in routes if r.breaker.ready(now)] or [r for r in routes if not r.breaker.out]
+        if not usable:
+            return max(0.0, min((r.breaker.open_until for r in routes), default=now) - now)
+        total_rate = sum(r.budget.effective_rpm for r in usable) or 1
+        return min(
+            r.budget.predicted_wait(tokens(r), ahead=round(ahead * r.budget.effective_rpm / total_rate))
+            for r in usable
+        )

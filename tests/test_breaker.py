@@ -1,0 +1,78 @@
+"""A deployment's breaker, on a clock the test sets: when it opens, for how long, how it
+comes back, and what takes a deployment out."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from app.upstream.breaker import CLOSED, HALF_OPEN, OPEN, OPEN_MAX_S, Breaker
+
+
+def test_three_failures_in_a_row_open_it_for_the_base_cooldown_then_one_probe_goes() -> None:
+    b = Breaker("a", open_base_s=2.0)
+    for t in (0.0, 0.1):
+        b.failed(t, "5xx")
+        assert b.state == CLOSED and b.ready(t)
+    b.failed(0.2, "5xx")
+    assert b.state == OPEN and not b.ready(1.0) and b.open_until == pytest.approx(2.2)
+    assert b.ready(2.2)
+    b.begin(2.2)
+    assert b.state == HALF_OPEN and not b.ready(2.3)  # one probe at a time
+    b.succeeded(2.4)
+    assert b.state == CLOSED and b.ready(2.4) and b.opened == 0
+
+
+def test_a_failed_probe_reopens_it_for_twice_as_long_up_to_the_cap() -> None:
+    b = Breaker("a", open_base_s=10.0)
+    now = 0.0
+    for _ in range(3):
+        b.failed(now, "timeout")
+    cooldowns = []
+    for _ in range(5):
+        now = b.open_until
+        b.begin(now)
+        b.failed(now, "timeout")
+        cooldowns.append(b.open_until - now)
+    assert cooldowns == [20.0, 40.0, OPEN_MAX_S, OPEN_MAX_S, OPEN_MAX_S]
+
+
+def test_the_upstreams_own_wait_wins_when_longer() -> None:
+    b = Breaker("a", open_base_s=1.0)
+    for t in (0.0, 0.0, 0.0):
+        b.failed(t, "429", wait_s=17.0)
+    assert b.open_until == pytest.approx(17.0)
+
+
+def test_a_failing_window_opens_it_without_a_run() -> None:
+    b = Breaker("a")
+    t = 0.0
+    for i in range(10):  # alternating: never 3 in a row, half failed
+        t += 1.0
+        if i % 2:
+            b.failed(t, "5xx")
+        else:
+            b.succeeded(t)
+    assert b.state == OPEN
+
+
+def test_a_cancelled_probe_frees_the_slot() -> None:
+    b = Breaker("a", open_base_s=1.0)
+    for _ in range(3):
+        b.failed(0.0, "5xx")
+    b.begin(1.0)
+    assert not b.ready(1.0)
+    b.released()
+    assert b.ready(1.0)
+
+
+def test_taking_out_is_loud_and_lasts(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR)
+    b = Breaker("azure-eu")
+    b.take_out(0.0, "401: invalid key", 300.0)
+    assert b.out and not b.ready(299.0) and b.ready(300.0)
+    assert any("azure-eu taken out" in r.getMessage() for r in caplog.records)
+    b.begin(300.0)
+    b.succeeded(300.5)
+    assert not b.out and b.state == CLOSED
