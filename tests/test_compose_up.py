@@ -5,7 +5,7 @@
    Prometheus, every one healthy; no secret is in any container's environment.
    Every line of the replicas' env file is in each replica's environment.
 2. Scans through the balancer complete and are spread over the replicas; Prometheus
-   scrapes all three (its targets, and `up`).
+   scrapes all three (its targets, and `up`) and has loaded the alerting rules.
 3. A replica is SIGKILLed while it streams a scan's answer, and the client reads on
    through the balancer from another replica with `Last-Event-ID`. What the service does
    today (taking the scan over is another issue's work): the other replica follows the
@@ -368,6 +368,10 @@ async def test_scans_through_the_balancer_spread_and_prometheus_scrapes_every_re
     targets = await _eventually_targets(stack, replicas)
     up = await _prometheus_query(stack, 'up{job="ecoscan"}')
     assert sorted(series["value"][1] for series in up) == ["1"] * REPLICAS, up
+    # ...and has loaded the alerting rules compose mounts beside its configuration.
+    async with httpx.AsyncClient(base_url=stack.prometheus_url, timeout=10) as prometheus:
+        rules = (await prometheus.get("/api/v1/rules", params={"type": "alert"})).json()["data"]["groups"]
+    assert sum(len(group["rules"]) for group in rules) > 0, rules
     with capsys.disabled():
         print(f"\n[compose] {len(outcomes)} scans over {len(served)} replicas; Prometheus targets: {targets}")
 
