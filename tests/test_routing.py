@@ -203,7 +203,9 @@ async def test_answer_only_traffic_at_a_low_tpm_gets_no_429(database_url: str, s
         openai_rpm=10_000,
         rate_burst_fraction=1.0,  # the budget starts as full as the limiter's minute
         max_inflight_per_user=100,
-        max_budget_wait_s=60.0,
+        # Admission prices owed calls as typical vision calls (with a photo), far more than
+        # these answers: it must not refuse what the budget will carry.
+        max_budget_wait_s=1000.0,
         answer_cache_entries=0,
     )
     photo = {"image_url": data_url(make_jpeg(77))}
