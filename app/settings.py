@@ -21,6 +21,9 @@ AUTH_MODES = ("gateway", "jwt")
 # RFC 7518 §3.2: an HS256 key at least as long as its hash output.
 MIN_SECRET_BYTES = 32
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+# Settings that hold secrets may instead be read from a file: `<NAME>_FILE` names it (a
+# compose or Kubernetes secret), so the value never sits in the process's environment.
+FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret")
 
 
 class SettingsError(ValueError):
@@ -269,6 +272,10 @@ class Settings:
                 values[f.name] = tuple(sorted((k, v) for k, v in env.items() if k.startswith(prefix)))
                 continue
             raw = env.get(env_name(f.name))
+            if f.name in FILE_SETTINGS and env.get(env_name(f.name) + "_FILE"):
+                if raw:
+                    raise SettingsError(f"set {env_name(f.name)} or {env_name(f.name)}_FILE, not both")
+                raw = _read_secret_file(env_name(f.name) + "_FILE", env[env_name(f.name) + "_FILE"])
             if raw is None or raw == "":
                 continue
             values[f.name] = _cast(f.name, raw, _field_type(f))
@@ -302,6 +309,17 @@ _MAY_BE_ZERO = {
 
 def env_name(field_name: str) -> str:
     return field_name.upper()
+
+
+def _read_secret_file(variable: str, path: str) -> str:
+    """A secret's value from the file `variable` names, surrounding whitespace (the
+    trailing newline of `echo ... > file`) dropped; an empty file means unset."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise SettingsError(f"{variable}: cannot read {path}: {reason}") from None
 
 
 def _field_type(f: dataclasses.Field[Any]) -> str:

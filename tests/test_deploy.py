@@ -5,8 +5,9 @@ offline with the real tools where they exist and with schemas always.
   compose v2 plugin when present) and the Compose Specification's JSON schema as vendored
   by check-jsonschema; a misspelt key must fail both. Then what the stack relies on: the
   balancer's settings for SSE, the grace periods against the drain, the settings each
-  replica gets (read through `Settings.from_env`, so a misspelt variable fails), the
-  Prometheus and Grafana files.
+  replica gets (its env file, the wiring, the secrets deploy/make-secrets.sh makes, read
+  through `Settings.from_env`, so a misspelt variable fails), images built here rather
+  than pulled, the Prometheus and Grafana files. tests/test_compose_up.py brings it up.
 - k8s/: the base and each overlay rendered by `kubectl kustomize` (Debian's kubernetes-client
   or any newer kubectl), every object against the Kubernetes schemas kubernetes-validate
   bundles (strict: unknown fields fail; the Prometheus Operator's PodMonitor, whose CRD is
@@ -49,7 +50,7 @@ from app.intake.parsing import InputLimits
 from app.main import create_app
 from app.runtime.metrics import Metrics
 from app.runtime.serving import serve_in_loop
-from app.settings import Settings, SettingsError, env_name
+from app.settings import FILE_SETTINGS, Settings, SettingsError, env_name
 from app.sim.server import RunningSimulator
 
 from .conftest import data_url, make_jpeg, run_scan, settings_for
@@ -57,6 +58,8 @@ from .conftest import data_url, make_jpeg, run_scan, settings_for
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "compose.yaml"
+MAKE_SECRETS = DEPLOY / "make-secrets.sh"
+LB_ENTRYPOINT = DEPLOY / "images" / "lb" / "entrypoint.sh"
 NGINX_CONF = DEPLOY / "nginx" / "nginx.conf"
 PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 GRAFANA = DEPLOY / "grafana"
@@ -186,7 +189,7 @@ def max_body_bytes(settings: Settings) -> int:
 def settings_env_names() -> set[str]:
     """Every environment variable the service reads: Settings' own and uvicorn's."""
     names = {env_name(f.name) for f in dataclasses.fields(Settings) if not f.metadata.get("env_prefix")}
-    return names | {"FORWARDED_ALLOW_IPS"}
+    return names | {f"{env_name(name)}_FILE" for name in FILE_SETTINGS} | {"FORWARDED_ALLOW_IPS"}
 
 
 def settings_from(env: Mapping[str, str], where: str) -> Settings:
@@ -318,6 +321,18 @@ def test_compose_file_matches_the_compose_specification() -> None:
 def test_compose_stack_has_its_services_wired_together(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert {"ecoscan", "lb", "postgres", "redis", "prometheus", "grafana"} <= services.keys()
+    # Every service reports its health: depends_on and the balancer rely on it.
+    for name, service in services.items():
+        assert service["healthcheck"]["test"], f"{name} has no healthcheck"
+    # Built here (Dockerfiles on the Debian base) rather than pulled from a registry, but
+    # Grafana, which Debian does not package: it is off unless its profile is asked for.
+    for name, service in services.items():
+        if name == "grafana":
+            assert service["profiles"] == ["grafana"]
+            continue
+        context = (DEPLOY / service["build"]["context"]).resolve()
+        assert (context / service["build"].get("dockerfile", "Dockerfile")).is_file(), name
+        assert service["build"]["args"]["BASE_IMAGE"] == services["ecoscan"]["build"]["args"]["BASE_IMAGE"]
     app = services["ecoscan"]
     # Replicas: no fixed name, no host port (they would collide), at least two.
     assert "container_name" not in app and "ports" not in app
@@ -338,38 +353,143 @@ def test_compose_stack_has_its_services_wired_together(compose: dict[str, Any]) 
                 assert (DEPLOY / source).exists(), f"{name} mounts {source}, which does not exist"
 
 
-def test_each_replica_gets_settings_the_service_accepts(compose: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def secrets_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The secret files, as deploy/make-secrets.sh makes them (in a directory of the test's)."""
+    directory = tmp_path_factory.mktemp("secrets")
+    subprocess.run(
+        [str(MAKE_SECRETS), str(directory)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+        env={"PATH": "/usr/local/bin:/usr/bin:/bin"},  # no OPENAI_API_KEY: the simulator
+    )
+    return directory
+
+
+def env_file(path: Path) -> dict[str, str]:
+    """`NAME=value` lines; blank lines and `#` lines skipped (as compose reads env files)."""
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def replica_environment(compose: dict[str, Any], secrets: Path) -> dict[str, str]:
+    """What a replica's process finds in its environment: the env files, then
+    `environment` (which wins), with /run/secrets/<name> pointed at the secret's file."""
+    app = compose["services"]["ecoscan"]
+    env: dict[str, str] = {}
+    for name in app["env_file"]:
+        env.update(env_file(DEPLOY / name))
+    env.update(environment(app))
+    mounted = {f"/run/secrets/{name}": secrets / name for name in app["secrets"]}
+    for name, value in env.items():
+        if name.endswith("_FILE"):
+            assert value in mounted, f"{name}={value}: not a secret the replicas mount"
+            env[name] = str(mounted[value])
+    return env
+
+
+def test_each_replica_gets_settings_the_service_accepts(compose: dict[str, Any], secrets_dir: Path) -> None:
     services = compose["services"]
-    env = environment(services["ecoscan"])
-    settings = settings_from(env, "compose.yaml, services.ecoscan.environment")
-    assert settings.uses_simulator, "with no OPENAI_API_KEY set the stack runs the simulator"
+    env = replica_environment(compose, secrets_dir)
+    settings = settings_from(env, "compose.yaml, services.ecoscan (env_file + environment)")
+    assert settings.uses_simulator, "with an empty openai_api_key the stack runs the simulator"
     assert settings.database_url is not None and settings.redis_url is not None
     assert url_host_port(settings.database_url) == ("postgres", 5432)
     assert url_host_port(settings.redis_url)[0] == "redis"
+    # The database's URL and the server agree: the user and database it is created with,
+    # and the password it is initialised with (deploy/make-secrets.sh writes both files).
     database_env = environment(services["postgres"])
+    assert database_env["POSTGRES_PASSWORD_FILE"] == "/run/secrets/postgres_password"
+    assert "postgres_password" in services["postgres"]["secrets"]
     db_url = urllib.parse.urlsplit(settings.database_url)
     assert (db_url.username, db_url.password, db_url.path) == (
         database_env["POSTGRES_USER"],
-        database_env["POSTGRES_PASSWORD"],
+        (secrets_dir / "postgres_password").read_text().strip(),
         "/" + database_env["POSTGRES_DB"],
     )
     assert settings.redis_prefix
-    # Only the balancer's X-Forwarded-For is believed, and its address is fixed: in the
-    # network's subnet, outside the range other containers' addresses come from.
-    lb_address = ipaddress.ip_address(services["lb"]["networks"]["default"]["ipv4_address"])
-    assert env["FORWARDED_ALLOW_IPS"] == str(lb_address)
-    (pool,) = compose["networks"]["default"]["ipam"]["config"]
-    assert lb_address in ipaddress.ip_network(pool["subnet"])
-    assert lb_address not in ipaddress.ip_network(pool["ip_range"])
+    # The default models' Tier 1 limits (docs/configuration.md, "Models"): gpt-4o-mini has 200k TPM.
+    assert (settings.vision_model, settings.answer_model) == ("gpt-4o-mini", "gpt-4o-mini")
+    assert (settings.openai_rpm, settings.openai_tpm) == (500, 200_000)
     # PostgreSQL takes every replica's pool (and its LISTEN connection) with room to scale.
     command = services["postgres"]["command"]
     max_connections = int(command[command.index("-c") + 1].split("=", 1)[1])
     assert max_connections >= 10 * (settings.db_pool_max + 1)
 
 
-def test_compose_grace_periods_fit_the_drain(compose: dict[str, Any]) -> None:
+def test_no_secret_is_in_any_environment(compose: dict[str, Any], secrets_dir: Path) -> None:
+    """Secrets reach the services as files (compose secrets), never as values."""
+    secret_values = {path.read_text().strip() for path in secrets_dir.iterdir()} - {""}
+    secret_names = {"DATABASE_URL", "OPENAI_API_KEY", "AUTH_JWT_SECRET", "POSTGRES_PASSWORD"}
+    for name, service in compose["services"].items():
+        env = environment(service)
+        if name == "ecoscan":
+            env = {**env_file(DEPLOY / service["env_file"][0]), **env}
+        assert not secret_names & env.keys(), f"{name}: {sorted(secret_names & env.keys())}"
+        assert not [k for k in env if "PASSWORD" in k and not k.endswith("FILE")], name
+        assert not secret_values & set(env.values()), name
+        # Redis is reachable on the compose network only, without a password; one would
+        # make REDIS_URL a secret (REDIS_URL_FILE).
+        assert urllib.parse.urlsplit(env.get("REDIS_URL", "")).password is None, name
+        for secret in service.get("secrets", []):
+            assert secret in compose["secrets"], f"{name} mounts an undeclared secret {secret}"
+    # deploy/make-secrets.sh makes every secret compose.yaml declares, and nothing in git.
+    for secret in compose["secrets"].values():
+        assert Path(secret["file"]).name in {p.name for p in secrets_dir.iterdir()}
+        assert Path(secret["file"]).parent == Path("./secrets")
+    assert "deploy/secrets/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_jwt_mode_as_the_env_file_describes_it_starts(compose: dict[str, Any], secrets_dir: Path) -> None:
+    """ecoscan.env's recipe for public use (AUTH_MODE=jwt with the mounted HS256 secret)
+    gives settings the service accepts: a replica started with it does not restart-loop."""
+    recipe = [
+        line.lstrip("#").strip()
+        for line in (DEPLOY / "ecoscan.env").read_text().splitlines()
+        if line.lstrip("#").strip().startswith(("AUTH_MODE=jwt", "AUTH_JWT_SECRET_FILE="))
+    ]
+    assert len(recipe) == 2, recipe
+    env = {**replica_environment(compose, secrets_dir)}
+    for line in recipe:
+        name, value = line.split("=", 1)
+        env[name] = value
+    secret = env["AUTH_JWT_SECRET_FILE"]
+    assert secret == "/run/secrets/auth_jwt_secret"
+    assert "auth_jwt_secret" in compose["services"]["ecoscan"]["secrets"]
+    env["AUTH_JWT_SECRET_FILE"] = str(secrets_dir / "auth_jwt_secret")
+    settings = settings_from(env, "ecoscan.env with its AUTH_MODE=jwt lines")
+    assert settings.auth_mode == "jwt" and settings.auth_jwt_secret
+
+
+def test_the_network_and_the_balancers_address(compose: dict[str, Any], secrets_dir: Path) -> None:
     services = compose["services"]
-    drain = settings_from(environment(services["ecoscan"]), "compose.yaml").shutdown_drain_s
+    env = replica_environment(compose, secrets_dir)
+    # Only the balancer's X-Forwarded-For is believed, and its address is fixed: in the
+    # network's subnet, outside the range other containers' addresses come from.
+    lb_address = ipaddress.ip_address(services["lb"]["networks"]["default"]["ipv4_address"])
+    assert env["FORWARDED_ALLOW_IPS"] == str(lb_address)
+    (pool,) = compose["networks"]["default"]["ipam"]["config"]
+    subnet = ipaddress.ip_network(pool["subnet"])
+    assert lb_address in subnet
+    assert lb_address not in ipaddress.ip_network(pool["ip_range"])
+    # Away from the ranges such networks usually meet: Docker's own pools, the AWS default
+    # VPC, GCP's auto-mode range, Kubernetes' and Podman's defaults.
+    for busy in (
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "10.128.0.0/9",
+        "10.42.0.0/15",
+        "10.96.0.0/12",
+        "10.244.0.0/16",
+        "10.88.0.0/15",
+    ):
+        assert not subnet.overlaps(ipaddress.ip_network(busy)), f"{subnet} overlaps {busy}"
+
+
+def test_compose_grace_periods_fit_the_drain(compose: dict[str, Any], secrets_dir: Path) -> None:
+    services = compose["services"]
+    drain = settings_from(replica_environment(compose, secrets_dir), "compose.yaml").shutdown_drain_s
     assert seconds(services["ecoscan"]["stop_grace_period"]) >= drain + CLOSE_MARGIN_S
     # The balancer's graceful stop lets streams end, but within its own grace.
     worker_shutdown = seconds(nginx_directives()["worker_shutdown_timeout"][0])
@@ -413,10 +533,16 @@ def test_load_balancer_is_configured_for_sse(compose: dict[str, Any]) -> None:
     assert "command" not in compose["services"]["ecoscan"], "the replicas run the image's command"
     uvicorn_idle = uvicorn_options(dockerfile_command())["timeout_keep_alive"]
     assert seconds(keepalive_timeout[1]) < uvicorn_idle
-    # Every replica of the compose service, re-resolved as replicas come and go.
+    # Every replica of the compose service: the name resolves to all of them when nginx
+    # loads its configuration, and the image's entrypoint reloads nginx when that set of
+    # addresses changes (Debian's nginx 1.22 has no `server ... resolve`).
     server = re.search(r"\bserver\s+([^\s:;]+):(\d+)([^;]*);", upstream)
     assert server and server[1] in compose["services"] and server[2] == "8000"
-    assert "resolve" in server[3].split() and "resolver" in d
+    assert "resolve" not in server[3].split()
+    entrypoint = LB_ENTRYPOINT.read_text()
+    assert f'name="${{UPSTREAM_NAME:-{server[1]}}}"' in entrypoint
+    assert 'getent ahostsv4 "$name"' in entrypoint and "nginx -s reload" in entrypoint
+    assert compose["services"]["lb"]["build"]["context"] == "./images/lb"
     # The client's address for the per-user caps of anonymous scans.
     assert "X-Forwarded-For $remote_addr" in d["proxy_set_header"]
 
@@ -451,6 +577,9 @@ def test_prometheus_scrapes_every_replica(compose: dict[str, Any]) -> None:
     assert any(
         str(m).startswith("./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml") for m in mounts
     )
+    # The rule files it names, beside it in the container as they are beside it here.
+    for rules in config.get("rule_files", []):
+        assert f"./prometheus/{rules}:/etc/prometheus/{rules}:ro" in mounts, rules
 
 
 def promtool() -> str:

@@ -78,3 +78,42 @@ def test_the_configuration_doc_lists_every_setting_and_nothing_else() -> None:
     # uvicorn's own setting, read by uvicorn, not by Settings
     unknown = sorted(n for n in listed - names - {"FORWARDED_ALLOW_IPS"} if not n.startswith("SIM_"))
     assert not unknown, f"docs/configuration.md lists names that are no setting: {unknown}"
+
+
+def test_secrets_can_be_read_from_files(tmp_path: Path) -> None:
+    files = {
+        "DATABASE_URL": "postgresql://ecoscan:pw@postgres:5432/ecoscan",
+        "OPENAI_API_KEY": "sk-from-a-file",
+        "REDIS_URL": "redis://:pw@redis:6379/0",
+    }
+    env = {}
+    for name, value in files.items():
+        (tmp_path / name).write_text(value + "\n")  # as `echo value > file` writes it
+        env[f"{name}_FILE"] = str(tmp_path / name)
+    s = Settings.from_env(env)
+    assert (s.database_url, s.openai_api_key, s.redis_url) == tuple(files.values())
+
+    secret = tmp_path / "jwt"
+    secret.write_text("k" * 48)
+    s = Settings.from_env({"AUTH_MODE": "jwt", "AUTH_JWT_SECRET_FILE": str(secret)})
+    assert s.auth_jwt_secret == "k" * 48
+    # Checked like the variable itself: a short secret is refused, from a file too.
+    secret.write_text("short")
+    with pytest.raises(SettingsError, match="AUTH_JWT_SECRET must be at least"):
+        Settings.from_env({"AUTH_MODE": "jwt", "AUTH_JWT_SECRET_FILE": str(secret)})
+
+
+def test_an_empty_secret_file_means_unset(tmp_path: Path) -> None:
+    (tmp_path / "key").write_text("\n")
+    assert Settings.from_env({"OPENAI_API_KEY_FILE": str(tmp_path / "key")}).uses_simulator
+
+
+def test_secret_files_are_checked(tmp_path: Path) -> None:
+    (tmp_path / "key").write_text("sk-1")
+    with pytest.raises(SettingsError, match="OPENAI_API_KEY or OPENAI_API_KEY_FILE, not both"):
+        Settings.from_env({"OPENAI_API_KEY": "sk-2", "OPENAI_API_KEY_FILE": str(tmp_path / "key")})
+    with pytest.raises(SettingsError, match=r"DATABASE_URL_FILE: cannot read .*/missing"):
+        Settings.from_env({"DATABASE_URL_FILE": str(tmp_path / "missing")})
+    # Only secrets have a _FILE form: anything else is not read from a file.
+    (tmp_path / "rpm").write_text("7")
+    assert Settings.from_env({"OPENAI_RPM_FILE": str(tmp_path / "rpm")}).openai_rpm == Settings().openai_rpm
