@@ -107,7 +107,7 @@ class _DeltaWriter:
         """The call starts again from nothing: what the client saw of it is void (a
         `discard` event, only if it saw any), and the new text is sent from its start."""
         if self.sent:
-            self.sent = ""
+            self.sent, self._last_flush = "", 0.0  # the new text's first delta goes at once
             await self._discard()
 
     async def update(self, raw: str, *, final: bool = False) -> float:

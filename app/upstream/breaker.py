@@ -43,6 +43,7 @@ class Breaker:
         self.open_until = 0.0
         self.probing = False
         self.opened = 0  # times opened in a row: the cooldown doubles with it
+        self.verdicts = 0  # calls that said something about the deployment (success or failure)
         self._failures_in_a_row = 0
         self._recent: deque[tuple[float, bool]] = deque()
 
@@ -52,12 +53,16 @@ class Breaker:
             return True
         return now >= self.open_until and not self.probing
 
-    def begin(self, now: float) -> None:
-        """A call goes: past its cooldown an open breaker lets this one through as the probe."""
-        if self.state != CLOSED and now >= self.open_until:
+    def begin(self, now: float) -> bool:
+        """A call goes: past its cooldown an open breaker lets this one through as the probe
+        (True: this call is the probe)."""
+        if self.state != CLOSED and now >= self.open_until and not self.probing:
             self.state, self.probing = HALF_OPEN, True
+            return True
+        return False
 
     def succeeded(self, now: float) -> None:
+        self.verdicts += 1
         self._record(now, ok=True)
         self._failures_in_a_row = 0
         if self.state != CLOSED:
@@ -66,6 +71,7 @@ class Breaker:
 
     def failed(self, now: float, reason: str, wait_s: float | None = None) -> None:
         """A failure that says something about the deployment (not about the request)."""
+        self.verdicts += 1
         self._record(now, ok=False)
         self._failures_in_a_row += 1
         if (
@@ -77,13 +83,14 @@ class Breaker:
             self._open(now, max(cooldown, wait_s or 0.0), reason)
 
     def take_out(self, now: float, reason: str, seconds: float) -> None:
+        self.verdicts += 1
         if not self.out:
             log.error("upstream %s taken out for %.0f s: %s", self.name, seconds, reason)
         self.out = True
         self._open(now, seconds, reason)
 
     def released(self) -> None:
-        """A call that ended without a verdict (cancelled): a probe slot is free again."""
+        """The probe ended without a verdict (cancelled): the probe slot is free again."""
         self.probing = False
 
     def _open(self, now: float, seconds: float, reason: str) -> None:

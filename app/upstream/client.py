@@ -66,6 +66,9 @@ MAX_ERROR_BODY_CHARS = 300
 STREAM_END_WAIT_S = 0.1
 # A deployment that refuses a key or has no such deployment answers these.
 OUT_STATUSES = (401, 403, 404)
+# Replies that broke on the way (a cut stream, a body that is not JSON): the deployment's
+# failure, where a refusal, a filter or a token cap is an answer.
+BROKEN_REPLIES = frozenset({"truncated", "bad_body", "bad_chunk", "stream_error"})
 
 # Reads a streamed reply's bytes into the result; returns its usage, if it came.
 ReadStream = Callable[[AsyncIterator[bytes], Pause, ChatResult], Awaitable[Usage | None]]
@@ -149,10 +152,11 @@ class Upstream:
                 if failed.reason != "negotiated":
                     failures += 1
                     failed_on[route.name] = failed.reason
-                if result.text and on_restart is not None:
+                shown = bool(result.text)
+                chosen = await self._before_next(request, route, failed, failures, failed_on, deadline)
+                if shown and on_restart is not None:  # it starts again: what was shown is void
                     self._metrics.upstream_restarts.labels(request.stage).inc()
                     await on_restart()
-                chosen = await self._before_next(request, route, failed, failures, failed_on, deadline)
 
     def _pick(self, request: ChatRequest, failed_on: Mapping[str, str]) -> Route:
         try:
@@ -236,30 +240,34 @@ class Upstream:
             result.queue_s += gate_wait + budget_wait
             m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
             m.upstream_routed.labels(route.name, call.stage).inc()
-            route.breaker.begin(self._clock.now())
+            breaker = route.breaker
+            probe = breaker.begin(self._clock.now())
+            verdicts = breaker.verdicts
             started = time.perf_counter()
             self.reservations_open += 1
             route.in_flight += 1
-            verdict = False
             try:
                 await self._call(route, call, reservation, read_stream, result)
-                verdict = True
-                route.breaker.succeeded(self._clock.now())
-            except AttemptFailed:
-                verdict = True
+                breaker.succeeded(self._clock.now())
+            except AttemptFailed as failed:
+                if breaker.verdicts == verdicts:  # the reply's fault, not told to the breaker yet
+                    if failed.reason in BROKEN_REPLIES:
+                        breaker.failed(self._clock.now(), failed.reason)
+                    else:  # it answered (a refusal, a filter, a cap, a 400): it is up
+                        breaker.succeeded(self._clock.now())
                 raise
             finally:
-                if not verdict:  # cancelled, or our own bug: no word on the deployment
-                    route.breaker.released()
-                self._show_state(route)
+                if probe and breaker.verdicts == verdicts:  # cancelled: no word on the deployment
+                    breaker.released()
                 route.in_flight -= 1
                 self.reservations_open -= 1
-                elapsed = time.perf_counter() - started
-                result.service_s += elapsed
-                m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
                 # Whatever happened (success, error, cancellation), the reservation is
                 # settled exactly once; an unsettled one here means "spent as reserved".
                 reservation.settle(reservation.tokens)
+                elapsed = time.perf_counter() - started
+                result.service_s += elapsed
+                m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
+                self._show_state(route)
 
     async def _call(
         self,
@@ -272,13 +280,15 @@ class Upstream:
         # What this attempt reads; a failed attempt's text, refusal or finish reason must
         # not pass for the retry's.
         result.text, result.refusal, result.finish_reason = "", "", None
+        sent_version = route.negotiation.version
         body = route.adapt(request_body(call, stream=read_stream is not None))
         try:
             response = await route.endpoint.post(orjson.dumps(body))
             watch: StallWatch | None = None
             try:
                 if not 200 <= response.status < 300:  # a 3xx too, when it was not followed
-                    raise self._status_failure(route, call, reservation, response, await response.read())
+                    content = await response.read()
+                    raise self._status_failure(route, call, reservation, response, content, sent_version)
                 self._observe(route, call, response, "2xx")
                 if read_stream is None:
                     usage = read_completion(await response.read(), result)
@@ -336,6 +346,7 @@ class Upstream:
         reservation: Reservation,
         response: aiohttp.ClientResponse,
         content: bytes,
+        sent_version: int,
     ) -> AttemptFailed:
         status = response.status
         provider = route.provider
@@ -363,7 +374,9 @@ class Upstream:
             route.breaker.take_out(now, f"{status}: {message}", OUT_RETRY_S)
             return AttemptFailed(UpstreamRejected(), retry=True, reason=status_class)
         parameter = provider.refused_parameter(status, info)
-        if parameter is not None and route.negotiation.learn(parameter):
+        negotiation = route.negotiation
+        if parameter is not None and (negotiation.learn(parameter) or negotiation.version != sent_version):
+            # Learned now, or by another call since this body was built: again without it.
             reservation.settle(None)  # refused before any work: not counted
             self._metrics.upstream_negotiated.labels(route.name, parameter.rsplit(".", 1)[-1]).inc()
             return AttemptFailed(UpstreamRejected(), retry=True, reason="negotiated")

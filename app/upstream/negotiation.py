@@ -37,6 +37,7 @@ class Negotiation:
         self.dropped: set[str] = set(dropped)
         self.schema_dropped: set[str] = set(schema)
         self.converted: dict[str, str] = {}
+        self.version = 0  # learned parameters: a body built at an older version may still carry one
 
     def learn(self, parameter: str) -> bool:
         """Give `parameter` up for this deployment's model; False when it is not one we can
@@ -55,6 +56,7 @@ class Negotiation:
             self.schema_dropped.add(name)
         else:
             self.dropped.add(name)
+        self.version += 1
         log.warning("upstream %s refuses %r: sent without it from now on", self.where, name)
         return True
 
