@@ -261,6 +261,31 @@ class Metrics:
         self.semaphore_in_use = Gauge(
             "ecoscan_stage_semaphore_in_use", "Stage semaphore slots held.", ["stage"], registry=r
         )
+        self.semaphore_waiting = Gauge(
+            "ecoscan_stage_semaphore_waiting",
+            "Calls queued for a stage semaphore slot.",
+            ["stage"],
+            registry=r,
+        )
+        self.limit = Gauge(
+            "ecoscan_limit",
+            "Each limit in force now: vision_gate, answer_gate (calls in progress), admission (scans in"
+            " flight), cpu_queue (CPU-lane jobs waiting).",
+            ["limit"],
+            registry=r,
+        )
+        self.limit_changes = Counter(
+            "ecoscan_limit_changes_total",
+            "Moves of an automatic limit, by why: grow, steady, little, gradient, backoff, floor, ceiling.",
+            ["limit", "reason"],
+            registry=r,
+        )
+        self.limit_latency = Gauge(
+            "ecoscan_limit_latency_seconds",
+            "A stage's call latency as its automatic gate sees it: recent, and baseline (no load).",
+            ["stage", "kind"],
+            registry=r,
+        )
 
     def _declare_shared_budget_metrics(self) -> None:
         """The budget shared through Redis (REDIS_URL): whether it is, this process's share
