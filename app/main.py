@@ -17,7 +17,7 @@ from app.http.openapi.document import install_openapi
 from app.http.page import router as page_router
 from app.http.routes import router
 from app.resources import lifespan_resources
-from app.runtime.heap import tuned_heap
+from app.runtime.heap import timed_collections, tuned_heap
 from app.runtime.metrics import Metrics
 from app.scans.drain import SignalRouter
 from app.settings import Settings
@@ -42,7 +42,10 @@ def create_app(
                 log.info("SIGTERM/SIGINT drain in-flight scans for up to %.0f s", settings.shutdown_drain_s)
             log.info("ecoscan ready")
             try:
-                with tuned_heap(settings.gc_young_threshold):  # start-up objects frozen from here
+                with (
+                    tuned_heap(settings.gc_young_threshold),  # start-up objects frozen from here
+                    timed_collections(resources.metrics.observe_gc_pause),
+                ):
                     yield {"resources": resources}
             finally:
                 signals.restore()

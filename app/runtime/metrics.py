@@ -342,6 +342,13 @@ class Metrics:
             buckets=FAST_BUCKETS,
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "ecoscan_gc_pause_seconds",
+            "Garbage collections and how long each held the loop, by generation (2: a full one).",
+            ["generation"],
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
         self.loop_lag_max = Gauge(
             "ecoscan_event_loop_lag_max_seconds", "Largest loop lag seen since start.", registry=r
         )
@@ -395,6 +402,9 @@ class Metrics:
             ["cache"],
             registry=r,
         )
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self.gc_pause.labels(str(generation)).observe(seconds)
 
     def observe_cpu_job(self, queue_s: float, run_s: float) -> None:
         self.cpu_job.labels("queue").observe(queue_s)
