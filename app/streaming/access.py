@@ -78,10 +78,16 @@ class ScanAccess:
         `done` event's data and `error` the `error` event's, exactly as streamed."""
         run, stored = await self._find(scan_id, reader)
         if run is not None:
-            return _status(scan_id, run.status, run.created_at, run.finished_at, run.log)
-        assert stored is not None
-        log = EventLog.from_json(stored.event_log) if stored.event_log else None
-        return _status(scan_id, stored.status, stored.created_at, stored.finished_at, log)
+            body = _status(scan_id, run.status, run.created_at, run.finished_at, run.log)
+            retry_of = run.scan.retry_of
+        else:
+            assert stored is not None
+            log = EventLog.from_json(stored.event_log) if stored.event_log else None
+            body = _status(scan_id, stored.status, stored.created_at, stored.finished_at, log)
+            retry_of = stored.retry_of
+        if retry_of is not None:
+            body["retry_of"] = str(retry_of)
+        return body
 
     async def events(
         self, scan_id: uuid.UUID, reader: Reader | None, *, after: int, headers: dict[str, str] | None = None
