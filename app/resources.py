@@ -44,6 +44,7 @@ from app.runtime.metrics import Metrics
 from app.runtime.redis_link import RedisLink, redact_url
 from app.scans.drain import Drain
 from app.scans.housekeeping import purge_old_scans, sweep_lost_scans
+from app.scans.liveness import Liveness
 from app.scans.mirror import ScanStreams
 from app.scans.pipeline import ScanPipeline
 from app.scans.runner import StageRunner
@@ -139,6 +140,14 @@ async def lifespan_resources(
         # drain ran) end with SERVER_SHUTDOWN and record their rows while the pool,
         # the client and the simulator are still open.
         stack.push_async_callback(pipeline.cancel_all)
+        liveness = _liveness(settings, redis, store, pipeline, streams, admission, metrics, stack)
+        sweep = sweep_lost_scans(
+            store,
+            metrics=metrics,
+            interval_s=LOST_SCAN_SWEEP_S,
+            spared=liveness.leased_instances if liveness else None,
+        )
+        _background(stack, sweep, "lost-scan-sweep")
         _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         input_limits = _input_limits(settings)
@@ -195,11 +204,10 @@ async def _scan_store(
     metrics: Metrics,
     stack: AsyncExitStack,
 ) -> ScanStore:
-    """The scans table, and the sweep that records (and counts) scans of dead processes."""
+    """The scans table, and the purge of old scans (the sweep of dead processes' scans
+    starts with the pipeline, once takeover's leases can spare theirs)."""
     store = ScanStore(pool, instance_id=instance_id, timeout_s=settings.db_timeout_s)
     stack.push_async_callback(store.close, CLOSE_TIMEOUT_S)
-    sweep = sweep_lost_scans(store, metrics=metrics, interval_s=LOST_SCAN_SWEEP_S)
-    _background(stack, sweep, "lost-scan-sweep")
     purge = purge_old_scans(store, retention_days=settings.scan_retention_days, interval_s=PURGE_INTERVAL_S)
     _background(stack, purge, "scan-purge")
     return store
@@ -373,6 +381,37 @@ def _scan_streams(
     streams = ScanStreams(redis, metrics, scan_deadline_s=deadline_s, block_s=block_s)
     stack.push_async_callback(_bounded_close, "scan event streams", streams.close)
     return streams
+
+
+def _liveness(
+    settings: Settings,
+    redis: RedisLink | None,
+    store: ScanStore,
+    pipeline: ScanPipeline,
+    streams: ScanStreams | None,
+    admission: Admission,
+    metrics: Metrics,
+    stack: AsyncExitStack,
+) -> Liveness | None:
+    """This process's liveness lease and the takeover of dead processes' scans
+    (app/scans/liveness.py). Stopped before `pipeline.cancel_all` (pushed earlier), so a
+    draining process takes nothing over; its lease is given back on the way out."""
+    if redis is None or streams is None:
+        return None
+    liveness = Liveness(
+        redis,
+        store=store,
+        pipeline=pipeline,
+        streams=streams,
+        admission=admission,
+        metrics=metrics,
+        ttl_s=settings.liveness_ttl_s,
+        renew_s=settings.liveness_renew_s,
+        takeover=settings.takeover,
+    )
+    stack.push_async_callback(_bounded_close, "liveness lease", liveness.close)
+    _background(stack, liveness.run(), "liveness-lease")
+    return liveness
 
 
 async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -82,7 +83,28 @@ _SWEEP = f"""
             WHERE application_name LIKE '{INSTANCE_TAG_PREFIX}%'))
       AND (created_at > pg_postmaster_start_time()
            OR now() - pg_postmaster_start_time() > make_interval(secs => $4))
+      AND (instance_id IS NULL OR NOT instance_id = ANY($5::uuid[]))
     RETURNING id"""
+
+_NO_CONNECTION = f"""
+    '{INSTANCE_TAG_PREFIX}' || $2::text NOT IN (
+        SELECT application_name FROM pg_stat_activity
+        WHERE application_name LIKE '{INSTANCE_TAG_PREFIX}%')"""
+
+# Takeover (app/scans/liveness.py): the running scans of a dead instance become this
+# one's. The instance column decides: of replicas claiming at once, each row goes to one
+# (SKIP LOCKED spreads them; the outer WHERE re-checks after a wait). Its lease lapsed
+# in Redis *and* it holds no connection here: two witnesses, so a live process cut off
+# from Redis alone never has its scans run twice.
+_CLAIM = f"""
+    UPDATE scans SET instance_id = $1
+    WHERE id IN (
+        SELECT id FROM scans WHERE status = 'running' AND instance_id = $2 AND {_NO_CONNECTION}
+        ORDER BY created_at LIMIT $3 FOR UPDATE SKIP LOCKED)
+      AND status = 'running' AND instance_id = $2
+    RETURNING id, user_id, created_at, token_sha256"""
+
+_RUNS_ANY = "SELECT EXISTS (SELECT 1 FROM scans WHERE status = 'running' AND instance_id = $1)"
 
 RETRYABLE_CODES = retryable_scan_codes()
 
@@ -257,12 +279,30 @@ class ScanStore:
         if self._retrying is None or self._retrying.done():
             self._retrying = asyncio.create_task(self._retry_deferred(), name="scan-rows-retry")
 
-    async def sweep_lost(self, *, restart_grace_s: float) -> list[uuid.UUID]:
-        """Mark `running` rows of dead processes failed / PROCESS_LOST; their ids."""
+    async def sweep_lost(
+        self, *, restart_grace_s: float, spared: Sequence[uuid.UUID] = ()
+    ) -> list[uuid.UUID]:
+        """Mark `running` rows of dead processes failed / PROCESS_LOST, but those of
+        `spared` instances (their scans are for takeover to find); their ids."""
         rows = await self._fetch(
-            _SWEEP, self.instance_id, ProcessLost.code, ProcessLost.default_message, restart_grace_s
+            _SWEEP,
+            self.instance_id,
+            ProcessLost.code,
+            ProcessLost.default_message,
+            restart_grace_s,
+            list(spared),
         )
         return [r["id"] for r in rows]
+
+    async def claim_orphans(self, dead: uuid.UUID, limit: int) -> list[asyncpg.Record]:
+        """Up to `limit` running scans of the dead instance `dead`, now this one's
+        (`id, user_id, created_at, token_sha256`)."""
+        return await self._fetch(_CLAIM, self.instance_id, dead, limit)
+
+    async def runs_any(self, instance: uuid.UUID) -> bool:
+        """Whether `instance` still has a `running` row."""
+        rows = await self._fetch(_RUNS_ANY, instance)
+        return bool(rows[0][0])
 
     async def close(self, timeout_s: float) -> None:
         """Shutdown: one last bounded try for the deferred rows, then give up on them
