@@ -66,6 +66,20 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'LIMIT', 0, tonu
 """
 
 
+def _instances_key(link: RedisLink) -> str:
+    return link.key("instances")
+
+
+async def leased_instances(link: RedisLink) -> list[uuid.UUID]:
+    """Instances holding a lease, or lately lapsed (the sweep spares their rows: they are
+    takeover's); none when Redis does not answer (the sweep then decides alone)."""
+    try:
+        members: Any = await link.client.zrange(_instances_key(link), 0, -1)
+    except (RedisError, OSError):
+        return []
+    return [uuid.UUID(m.decode()) for m in members]
+
+
 class NoTicket(Ticket):
     """Holds no admission: the scan it goes with ends at once (PROCESS_LOST)."""
 
@@ -100,18 +114,10 @@ class Liveness:
         self._renew_s = renew_s
         self._takeover = takeover
         self._me = str(store.instance_id)
-        self._key = link.key("instances")
+        self._key = _instances_key(link)
         self._renew = link.script(_RENEW)
         self._adopting: asyncio.Task[None] | None = None
         self._outage = False
-
-    async def leased_instances(self) -> list[uuid.UUID]:
-        """Instances holding a lease, or lately lapsed (the sweep spares their rows)."""
-        try:
-            members: Any = await self._link.client.zrange(self._key, 0, -1)
-        except (RedisError, OSError):
-            return []
-        return [uuid.UUID(m.decode()) for m in members]
 
     async def run(self) -> None:
         """Renew every `renew_s`; judge lapsed leases once renewing has held for a TTL."""

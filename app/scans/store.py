@@ -83,7 +83,7 @@ _SWEEP = f"""
             WHERE application_name LIKE '{INSTANCE_TAG_PREFIX}%'))
       AND (created_at > pg_postmaster_start_time()
            OR now() - pg_postmaster_start_time() > make_interval(secs => $4))
-      AND (instance_id IS NULL OR NOT instance_id = ANY($5::uuid[]))
+      AND (instance_id IS NULL OR NOT instance_id::text = ANY(string_to_array($5, ',')))
     RETURNING id"""
 
 _NO_CONNECTION = f"""
@@ -290,7 +290,9 @@ class ScanStore:
             ProcessLost.code,
             ProcessLost.default_message,
             restart_grace_s,
-            list(spared),
+            # As text: a uuid[] parameter costs the first sweep a type introspection
+            # round trip, which start-up should not wait for.
+            ",".join(str(instance) for instance in spared),
         )
         return [r["id"] for r in rows]
 
