@@ -53,6 +53,7 @@ from app.runtime.metrics import Metrics
 from app.runtime.redis_link import RedisLink, redact_url
 from app.scans.drain import Drain
 from app.scans.housekeeping import purge_old_scans, sweep_lost_scans
+from app.scans.liveness import Liveness, leased_instances
 from app.scans.mirror import ScanStreams
 from app.scans.pipeline import ScanPipeline
 from app.scans.runner import StageRunner
@@ -135,7 +136,7 @@ async def lifespan_resources(
         stack.callback(cpu.shutdown)
         sizing = _sizing(settings, upstream, admission, cpu, metrics, box)
         _background(stack, sizing.run(), "limit-sizing")
-        store = await _scan_store(settings, pool, instance_id, metrics, stack)
+        store = await _scan_store(settings, pool, instance_id, redis, metrics, stack)
         streams = _scan_streams(settings, redis, metrics, stack)
         pipeline = ScanPipeline(
             runner,
@@ -151,6 +152,7 @@ async def lifespan_resources(
         # drain ran) end with SERVER_SHUTDOWN and record their rows while the pool,
         # the client and the simulator are still open.
         stack.push_async_callback(pipeline.cancel_all)
+        _liveness(settings, redis, store, pipeline, streams, admission, metrics, stack)
         _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         _bind_limit_gauges(metrics, sizing, upstream.gates)
@@ -205,13 +207,16 @@ async def _scan_store(
     settings: Settings,
     pool: asyncpg.Pool[asyncpg.Record],
     instance_id: uuid.UUID,
+    redis: RedisLink | None,
     metrics: Metrics,
     stack: AsyncExitStack,
 ) -> ScanStore:
-    """The scans table, and the sweep that records (and counts) scans of dead processes."""
+    """The scans table, and the sweep that records (and counts) scans of dead processes
+    (with Redis, but those of instances in the liveness lease set: takeover's)."""
     store = ScanStore(pool, instance_id=instance_id, timeout_s=settings.db_timeout_s)
     stack.push_async_callback(store.close, CLOSE_TIMEOUT_S)
-    sweep = sweep_lost_scans(store, metrics=metrics, interval_s=LOST_SCAN_SWEEP_S)
+    spared = functools.partial(leased_instances, redis) if redis is not None else None
+    sweep = sweep_lost_scans(store, metrics=metrics, interval_s=LOST_SCAN_SWEEP_S, spared=spared)
     _background(stack, sweep, "lost-scan-sweep")
     purge = purge_old_scans(store, retention_days=settings.scan_retention_days, interval_s=PURGE_INTERVAL_S)
     _background(stack, purge, "scan-purge")
@@ -435,6 +440,36 @@ def _scan_streams(
     streams = ScanStreams(redis, metrics, scan_deadline_s=deadline_s, block_s=block_s)
     stack.push_async_callback(_bounded_close, "scan event streams", streams.close)
     return streams
+
+
+def _liveness(
+    settings: Settings,
+    redis: RedisLink | None,
+    store: ScanStore,
+    pipeline: ScanPipeline,
+    streams: ScanStreams | None,
+    admission: Admission,
+    metrics: Metrics,
+    stack: AsyncExitStack,
+) -> None:
+    """This process's liveness lease and the takeover of dead processes' scans
+    (app/scans/liveness.py). Stopped before `pipeline.cancel_all` (pushed earlier), so a
+    draining process takes nothing over; its lease is given back on the way out."""
+    if redis is None or streams is None:
+        return
+    liveness = Liveness(
+        redis,
+        store=store,
+        pipeline=pipeline,
+        streams=streams,
+        admission=admission,
+        metrics=metrics,
+        ttl_s=settings.liveness_ttl_s,
+        renew_s=settings.liveness_renew_s,
+        takeover=settings.takeover,
+    )
+    stack.push_async_callback(_bounded_close, "liveness lease", liveness.close)
+    _background(stack, liveness.run(), "liveness-lease")
 
 
 async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:

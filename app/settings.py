@@ -91,6 +91,10 @@ class Settings:
     redis_url: str | None = field(default=None, repr=False)
     redis_prefix: str = "ecoscan"
     redis_timeout_s: float = 0.5
+    # Liveness leases and the takeover of a dead process's scans (app/scans/liveness.py).
+    liveness_ttl_s: float = 3.0
+    liveness_renew_s: float = 1.0
+    takeover: bool = True
 
     # --- request and image handling ----------------------------------------------
     image_max_bytes: int = 10 * 1024 * 1024
@@ -223,6 +227,11 @@ class Settings:
             raise SettingsError("AUTH_JWKS_URL must use https:// (plain http only to a loopback address)")
 
     def _check_redis(self) -> None:
+        if self.liveness_renew_s >= self.liveness_ttl_s:
+            raise SettingsError(
+                f"LIVENESS_RENEW_S ({self.liveness_renew_s:g}) must be shorter than "
+                f"LIVENESS_TTL_S ({self.liveness_ttl_s:g}): a lease must be renewed before it lapses"
+            )
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SettingsError("REDIS_URL must start with redis://, rediss:// or unix://")
         if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):

@@ -157,6 +157,36 @@ async def test_an_idempotent_post_twice_is_one_scan_replayed(
     assert count == 1
 
 
+async def test_a_key_whose_scan_ended_retryably_starts_a_linked_new_attempt(
+    service: Service, sim: RunningSimulator, db: asyncpg.Connection
+) -> None:
+    request = {
+        "json": {"image_url": data_url(make_jpeg(335))},
+        "headers": {"X-User-ID": "unlucky", "Idempotency-Key": "k-335"},
+    }
+    await sim_configure(sim, outage="503")
+    failed = await run_scan(service.client, **request)
+    assert failed.terminal.event == "error" and failed.terminal.data["retryable"] is True
+    await sim_configure(sim, outage="none")
+    retried = await run_scan(service.client, **request)
+    old_id, new_id = failed.headers["x-scan-id"], retried.headers["x-scan-id"]
+    assert new_id != old_id and retried.headers["x-retry-of"] == old_id
+    assert "idempotent-replayed" not in retried.headers
+    assert retried.terminal.event == "done"
+    status = await service.client.get(f"/api/v1/scan/{new_id}", headers={"X-User-ID": "unlucky"})
+    assert status.json()["retry_of"] == old_id
+    # The completed attempt pins the key now: the same POST replays it.
+    again = await run_scan(service.client, **request)
+    assert again.headers["x-scan-id"] == new_id and again.headers["idempotent-replayed"] == "true"
+    rows = await db.fetch(
+        "SELECT id::text, status, retry_of::text, idempotency_key FROM scans WHERE id = ANY($1::uuid[])",
+        [old_id, new_id],
+    )
+    by_id = {r["id"]: r for r in rows}
+    assert (by_id[old_id]["status"], by_id[old_id]["idempotency_key"]) == ("failed", None)
+    assert (by_id[new_id]["retry_of"], by_id[new_id]["idempotency_key"]) == (old_id, "k-335")
+
+
 async def test_five_concurrent_duplicates_make_one_scan(
     service: Service, sim: RunningSimulator, db: asyncpg.Connection
 ) -> None:

@@ -47,7 +47,9 @@ async def classify_completion(request: Request) -> Response:
     accepted = await r.acceptance.accept(request)
     if isinstance(accepted, RepeatedScan):
         return await r.access.replay(accepted.scan_id, headers={"Idempotent-Replayed": "true"})
-    headers = {"X-Scan-Token": accepted.token} if accepted.token else None
+    headers = {"X-Scan-Token": accepted.token} if accepted.token else {}
+    if (retry_of := accepted.run.scan.retry_of) is not None:
+        headers["X-Retry-Of"] = str(retry_of)
     return scan_response(accepted.run, r.metrics, ping_s=r.settings.sse_ping_s, headers=headers)
 
 

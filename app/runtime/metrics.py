@@ -99,6 +99,13 @@ class Metrics:
             "Scans of dead processes (SIGKILL, OOM, lost host) this process's sweep marked PROCESS_LOST.",
             registry=r,
         )
+        self.scans_taken_over = Counter(
+            "ecoscan_scans_taken_over_total",
+            "Running scans of a dead process (its liveness lease lapsed) this process claimed: "
+            "resumed here, or ended at once as PROCESS_LOST (lost).",
+            ["outcome"],
+            registry=r,
+        )
         self.scans_in_flight = Gauge(
             "ecoscan_scans_in_flight", "Accepted scans not yet finished.", registry=r
         )
