@@ -52,7 +52,7 @@ def create_app(
     app.include_router(router)
     app.include_router(page_router)
     install_openapi(app, settings, stages)
-    install_error_handlers(app)
+    install_error_handlers(app, routers=(router, page_router))
     # Heads over the bounds are refused even when the server was started without
     # app/http/protocol.py (a bare `uvicorn app.main:app`).
     app.add_middleware(HeadLimits)
