@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from app.http.errors import install_error_handlers
+from app.http.head_limits import HeadLimits
 from app.http.openapi.document import install_openapi
 from app.http.page import router as page_router
 from app.http.routes import router
@@ -54,7 +55,10 @@ def create_app(
     app.include_router(router)
     app.include_router(page_router)
     install_openapi(app, settings, stages)
-    install_error_handlers(app)
+    install_error_handlers(app, routers=(router, page_router))
+    # Heads over the bounds are refused even when the server was started without
+    # app/http/protocol.py (a bare `uvicorn app.main:app`).
+    app.add_middleware(HeadLimits)
     return app
 
 
