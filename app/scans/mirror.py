@@ -42,7 +42,7 @@ import redis.asyncio as redis
 
 from app.errors import ScanRunningElsewhere
 from app.runtime.metrics import Metrics
-from app.runtime.redis_link import RedisError, RedisLink
+from app.runtime.redis_link import RedisError, RedisLink, connection_options
 from app.scans.events import EventLog, LogEntry, RecordedEvent
 
 log = logging.getLogger(__name__)
@@ -145,8 +145,8 @@ class ScanStreams:
         self._blocking: redis.Redis = redis.Redis.from_url(
             link.url,
             socket_timeout=block_s + link.timeout_s,
-            socket_connect_timeout=link.timeout_s,
             max_connections=FOLLOW_MAX_CONNECTIONS,
+            **connection_options(link.timeout_s),  # a restarted Redis: one retry, on a fresh connection
         )
         self._watchers: dict[asyncio.Task[None], _Mirror] = {}
         self._pending: dict[str, _Mirror] = {}
