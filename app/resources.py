@@ -153,7 +153,7 @@ async def lifespan_resources(
         # the client and the simulator are still open.
         stack.push_async_callback(pipeline.cancel_all)
         _liveness(settings, redis, store, pipeline, streams, admission, metrics, stack)
-        _background(stack, probe_loop_lag(metrics, on_lag=sizing.observe_loop_lag), "loop-lag-probe")
+        _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         _bind_limit_gauges(metrics, sizing, upstream.gates)
         input_limits = _input_limits(settings)

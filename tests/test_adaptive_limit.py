@@ -12,7 +12,7 @@ import pytest
 from app.limits.adaptive import BACKOFF, LITTLE_HEADROOM, AdaptiveLimit
 from app.limits.admission import Admission
 from app.limits.cpu_lane import CpuLane
-from app.limits.sizing import ADMISSION_FLOOR, CPU_QUEUE_WAIT_S, LOOP_BACKOFF, LimitSpec, Sizing
+from app.limits.sizing import ADMISSION_FLOOR, CPU_QUEUE_WAIT_S, LimitSpec, Sizing
 from app.limits.stage_gate import StageGate
 
 
@@ -237,45 +237,3 @@ async def test_a_higher_admission_cap_lets_waiters_in_at_once() -> None:
     ticket = await asyncio.wait_for(third, 1.0)
     ticket.release()
     assert admission.in_flight == 0
-
-
-async def test_admission_comes_down_while_the_loop_lags_and_recovers_after() -> None:
-    gates = {"vision": StageGate("vision", 100)}
-    admission = Admission(
-        max_inflight=ADMISSION_FLOOR,
-        per_user=1000,
-        wait_s=0.0,
-        max_budget_wait_s=10.0,
-        predicted_budget_wait=lambda _owed: 0.0,
-        calls_per_scan=1,
-    )
-    cpu = CpuLane(max_workers=1, queue_limit=1)
-    sizing = Sizing(
-        gates=gates,
-        gate_limits={},
-        stage_rate=lambda _stage: 50.0,
-        admission=admission,
-        admission_spec=LimitSpec(),
-        admission_ceiling=5000,
-        max_queue_s=10.0,
-        cpu=cpu,
-        cpu_queue_spec=LimitSpec(fixed=1),
-        cpu_queue_ceiling=1,
-    )
-    try:
-        sizing.step()
-        healthy = admission.max_inflight  # 50 scans/s x (2 s + 10 s)
-        assert healthy == 600
-        tickets = [await admission.admit(f"u{n}") for n in range(400)]
-        for _ in range(3):
-            sizing.observe_loop_lag(0.3)
-            sizing.step()
-        assert admission.max_inflight == int(400 * LOOP_BACKOFF**3) and sizing.reasons["admission"] == "loop"
-        for _ in range(20):
-            sizing.observe_loop_lag(0.01)
-            sizing.step()
-        assert admission.max_inflight == healthy and sizing.reasons["admission"] == "little"
-        for ticket in tickets:
-            ticket.release()
-    finally:
-        cpu.shutdown()

@@ -10,11 +10,6 @@ re-derived every `SIZING_INTERVAL_S`.
   scans in flight: those being served and those queued for at most the wait admission
   already accepts at the budget. More would only queue past that wait and time out;
   fewer would turn users away while the budget idles.
-  And no more than the loop keeps up with: while it lags past `LOOP_LAG_BUDGET_S` (it
-  is saturated, or the box is), admission comes down by `LOOP_BACKOFF` an interval,
-  below the scans in flight, and grows back by `LOOP_RECOVERY` an interval once the
-  lag is gone: scans refused at once with `SERVER_BUSY` rather than accepted and then
-  failing their stage timeouts.
 - **The CPU lane's queue** (CPU_QUEUE_LIMIT): the jobs its workers finish within
   `CPU_QUEUE_WAIT_S` at the measured job time. The workers themselves stay one per core.
 
@@ -56,11 +51,6 @@ PRIOR_LATENCY_S = 2.0
 # slot is used, so a process reaches thousands of slots in seconds without starting
 # with a flood.
 INITIAL_GATE_LIMIT = 64
-# The event loop may lag this much before admission comes down (the stall any stream
-# would see), by this factor an interval; it regains this factor an interval once it keeps up.
-LOOP_LAG_BUDGET_S = 0.1
-LOOP_BACKOFF = 0.8
-LOOP_RECOVERY = 1.25
 # The CPU lane's queue holds what its workers finish within this long.
 CPU_QUEUE_WAIT_S = 0.5
 CPU_QUEUE_FLOOR_PER_WORKER = 4
@@ -138,8 +128,6 @@ class Sizing:
         self._on_change = on_change
         self._interval_s = interval_s
         self._cpu_job_s = PRIOR_CPU_JOB_S
-        self._worst_lag_s = 0.0  # this interval's
-        self._loop_bound = float(admission_ceiling)  # what the loop keeps up with
         self.reasons: dict[str, str] = {name: "initial" for name in self.limits()}
         self._values: dict[str, int] = self.limits()
         self._logged: dict[str, int] = dict(self._values)
@@ -150,9 +138,6 @@ class Sizing:
         limits["admission"] = self._admission.max_inflight
         limits["cpu_queue"] = self._cpu.queue_limit
         return limits
-
-    def observe_loop_lag(self, lag_s: float) -> None:
-        self._worst_lag_s = max(self._worst_lag_s, lag_s)
 
     def observe_cpu_job(self, _queue_s: float, run_s: float) -> None:
         self._cpu_job_s += 0.05 * (run_s - self._cpu_job_s)
@@ -174,20 +159,12 @@ class Sizing:
             self._moved(f"{stage}_gate", change.after, change.reason)
         if self._admission_spec.auto:
             size, reason = self._admission_size()
-            if self._worst_lag_s > LOOP_LAG_BUDGET_S:
-                below = min(self._loop_bound, self._admission.in_flight)
-                self._loop_bound = max(float(ADMISSION_FLOOR), below * LOOP_BACKOFF)
-            else:
-                self._loop_bound = min(float(self._admission_ceiling), self._loop_bound * LOOP_RECOVERY)
-            if self._loop_bound < size:
-                size, reason = max(ADMISSION_FLOOR, int(self._loop_bound)), "loop"
             self._admission.resize(size)
             self._moved("admission", size, reason)
         if self._cpu_queue_spec.auto:
             size, reason = self._cpu_queue_size()
             self._cpu.queue_limit = size
             self._moved("cpu_queue", size, reason)
-        self._worst_lag_s = 0.0
 
     def _admission_size(self) -> tuple[int, str]:
         """X x (service time + the queueing admission accepts), X the scans/s the stages'

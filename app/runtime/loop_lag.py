@@ -4,14 +4,11 @@ is how long some callback held the loop. Cheap enough to run always."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from app.runtime.metrics import Metrics
 
 
-async def probe_loop_lag(
-    metrics: Metrics, interval_s: float = 0.05, on_lag: Callable[[float], None] = lambda _lag: None
-) -> None:
+async def probe_loop_lag(metrics: Metrics, interval_s: float = 0.05) -> None:
     loop = asyncio.get_running_loop()
     worst = 0.0
     while True:
@@ -19,7 +16,6 @@ async def probe_loop_lag(
         await asyncio.sleep(interval_s)
         lag = max(0.0, loop.time() - scheduled)
         metrics.loop_lag.observe(lag)
-        on_lag(lag)
         if lag > worst:
             worst = lag
             metrics.loop_lag_max.set(worst)

@@ -283,7 +283,7 @@ class Metrics:
         )
         self.limit_changes = Counter(
             "ecoscan_limit_changes_total",
-            "Moves of an automatic limit, by why: grow, steady, little, gradient, backoff, loop, floor, ceiling.",
+            "Moves of an automatic limit, by why: grow, steady, little, gradient, backoff, floor, ceiling.",
             ["limit", "reason"],
             registry=r,
         )
