@@ -96,6 +96,7 @@ class Reader:
     terminals: list[tuple[int, str, str | None]] = field(default_factory=list)  # seq, event, code
     drops: list[str] = field(default_factory=list)  # why each connection ended early
     resumes: int = 0
+    reposts: int = 0  # the POST sent again (same key): cut before its answer's headers
     replays: int = 0  # events at or before the position, sent again (an idempotent POST)
     gave_up: str | None = None
     ended_at: float | None = None
@@ -158,10 +159,12 @@ class Load:
 
     async def _follow(self, reader: Reader, replica: int) -> None:
         headers = {"X-User-ID": f"kb-{reader.n % 50}", "Idempotency-Key": reader.key}
+        tries = 0
         while not reader.terminals:
             url = self.urls[replica]
             if reader.job_id is None:
                 request = ("POST", url + SCAN_PATH, {"json": self.body, "headers": headers})
+                reader.reposts += tries > 0
             else:
                 last = {"Last-Event-ID": str(reader.seqs[-1] if reader.seqs else 0)}
                 path = f"{url}/api/v1/scan/{reader.job_id}/events"
@@ -173,6 +176,7 @@ class Load:
             if outcome == "busy":
                 await asyncio.sleep(RESUME_RETRY_S)
             replica = (replica + 1) % len(self.urls)  # a balancer sends the retry elsewhere
+            tries += 1
 
     async def _read(self, reader: Reader, method: str, url: str, kwargs: dict[str, Any]) -> str:
         try:
@@ -320,8 +324,8 @@ def report(
         f"readers with more than one terminal event: {len(several)}; with a seq gap: {len(gaps)};"
         f" not starting at 1: {len(late_start)}; whose end disagrees with the row: {len(disagree)}",
         f"readers whose connection dropped: {len(dropped)}; that went on from another replica: {len(resumed)}"
-        f" ({sum(r.resumes for r in resumed)} GETs, 409s included); events replayed by a repeated POST:"
-        f" {sum(r.replays for r in readers)}",
+        f" ({sum(r.resumes for r in resumed)} GETs, 409s included); POSTs sent again with their key:"
+        f" {sum(r.reposts for r in readers)}, events they replayed: {sum(r.replays for r in readers)}",
         f"POST to terminal event, s: all p50 {quantile(accepted, 0.5)}, p99 {quantile(accepted, 0.99)};"
         f" readers that went on elsewhere p50 {quantile(resumed, 0.5)}, max {quantile(resumed, 1.0)}",
         f"taken over: resumed {logs.count('claimed: resumed')}, lost {logs.count('claimed: lost')};"
