@@ -203,7 +203,8 @@ class Liveness:
         run.created_at = row["created_at"]
         outcome = "lost" if reason is not None else "resumed"
         self._metrics.scans_taken_over.labels(outcome).inc()
-        log.warning("scan %s of dead instance %s claimed: %s", scan_id, row_owner, outcome)
+        why = "" if reason is None else f": {reason.message}"
+        log.warning("scan %s of dead instance %s claimed: %s%s", scan_id, row_owner, outcome, why)
 
     def _why_not(self, handover: Handover | None, entries: list[Any]) -> tuple[ProcessLost | None, float]:
         """Why the scan cannot run on here (None: it can), and its time left."""
@@ -213,7 +214,9 @@ class Liveness:
             return ProcessLost(), 0.0
         left_s = handover.deadline_at - time.time()
         if left_s < MIN_TIME_LEFT_S:
-            return ProcessLost(), 0.0
+            # Still PROCESS_LOST, not SCAN_DEADLINE_EXCEEDED: the death is the cause, and
+            # its remedy (the same Idempotency-Key starts a new attempt) is the client's.
+            return ProcessLost(f"{ProcessLost.default_message} (too little of its deadline was left)"), 0.0
         vision_done = any(
             e.event.kind == "stage" and e.event.fields().get("status") == "completed" for e in entries
         )
