@@ -369,6 +369,7 @@ def _sizing(
         gates=gates,
         gate_limits={stage: gate.limiter for stage, gate in gates.items() if gate.limiter is not None},
         stage_rate=upstream.call_rate,
+        stage_requests=lambda stage: upstream.requests.get(stage, 0),
         admission=admission,
         admission_spec=settings.limit("max_inflight_scans"),
         admission_ceiling=settings.limit("max_inflight_scans").ceiling(box.scans),

@@ -75,6 +75,7 @@ class Admission:
         self._user_caps = user_caps  # REDIS_URL: the per-user cap counts every replica's scans
         self.in_flight = 0
         self.owed_calls = 0  # upstream calls admitted scans will still make
+        self.admitted = 0  # scans admitted since start
         self.per_user_in_flight: dict[str, int] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         # Exponentially weighted mean scan duration: sizes Retry-After for SERVER_BUSY.
@@ -97,7 +98,20 @@ class Admission:
         self.per_user_in_flight[user_key] = self.per_user_in_flight.get(user_key, 0) + 1
         global_slot = await self._take_global_slot(user_key)
         self.owed_calls += self.calls_per_scan
+        self.admitted += 1
         return Ticket(self, user_key, global_slot)
+
+    def adopt(self, user_key: str) -> Ticket:
+        """A ticket for a scan another process accepted and died with (app/scans/liveness.py).
+        No check refuses it: it was admitted once, its calls were budgeted for then, and its
+        demand left with its owner; refusing it now would only waste what it already paid
+        for. It holds a slot like any scan, past the cap if need be (the cap is back once
+        it ends)."""
+        self.in_flight += 1
+        self.per_user_in_flight[user_key] = self.per_user_in_flight.get(user_key, 0) + 1
+        self.owed_calls += self.calls_per_scan
+        self.admitted += 1
+        return Ticket(self, user_key, None)
 
     async def _take_global_slot(self, user_key: str) -> str | None:
         """The user's slot across replicas (None: caps are not shared, or Redis failed

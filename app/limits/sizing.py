@@ -51,9 +51,13 @@ PRIOR_LATENCY_S = 2.0
 # slot is used, so a process reaches thousands of slots in seconds without starting
 # with a flood.
 INITIAL_GATE_LIMIT = 64
-# The CPU lane's queue holds what its workers finish within this long.
-CPU_QUEUE_WAIT_S = 0.5
-CPU_QUEUE_FLOOR_PER_WORKER = 4
+# Scans admitted before the share of scans calling each stage is trusted over "all do".
+SHARE_AFTER_SCANS = 20
+# The CPU lane's queue holds what its workers finish within this long, and at least this
+# many jobs a worker: uploads come in bursts, and a scan waits seconds for its calls
+# anyway, so refusing one after half a second of queueing would refuse it for nothing.
+CPU_QUEUE_WAIT_S = 2.0
+CPU_QUEUE_FLOOR_PER_WORKER = 32
 # Before the first job, a CPU job is assumed to take this long (seconds).
 PRIOR_CPU_JOB_S = 0.01
 
@@ -105,6 +109,7 @@ class Sizing:
         gates: Mapping[str, StageGate],
         gate_limits: Mapping[str, AdaptiveLimit],
         stage_rate: Callable[[str], float],
+        stage_requests: Callable[[str], int] = lambda _stage: 0,
         admission: Admission,
         admission_spec: LimitSpec,
         admission_ceiling: int,
@@ -118,6 +123,7 @@ class Sizing:
         self._gates = gates
         self._gate_limits = gate_limits
         self._stage_rate = stage_rate
+        self._stage_requests = stage_requests
         self._admission = admission
         self._admission_spec = admission_spec
         self._admission_ceiling = admission_ceiling
@@ -168,14 +174,19 @@ class Sizing:
 
     def _admission_size(self) -> tuple[int, str]:
         """X x (service time + the queueing admission accepts), X the scans/s the stages'
-        gates sustain at their measured latencies."""
+        gates sustain at their measured latencies. A stage only some scans call (a cached
+        vision reply makes none) takes its gate slots from those only: its share of the
+        scans, counted so far, divides its gate's rate and weighs its latency."""
         service_s = 0.0
         rate = math.inf
+        scans = self._admission.admitted
         for stage, gate in self._gates.items():
             limiter = self._gate_limits.get(stage)
             latency = limiter.latency_s if limiter is not None and limiter.latency_s else PRIOR_LATENCY_S
-            service_s += latency
-            rate = min(rate, gate.limit / latency, self._stage_rate(stage))
+            share = min(1.0, self._stage_requests(stage) / scans) if scans >= SHARE_AFTER_SCANS else 1.0
+            service_s += share * latency
+            if share > 0:
+                rate = min(rate, gate.limit / latency / share)
         if not math.isfinite(rate):
             return self._admission_ceiling, "ceiling"
         size = math.ceil(rate * (service_s + self._max_queue_s))

@@ -9,7 +9,8 @@ must also hold no database connection, a second witness that keeps a live proces
 off from Redis alone from having its scans run twice) and, per scan:
 
 - `TAKEOVER=true`, the input the owner kept in Redis (app/scans/handover.py) readable,
-  time left before the scan's deadline and a slot here (`Admission.admit`): the scan
+  and time left before the scan's deadline (a slot here it always gets: `Admission.adopt`,
+  no budget look-ahead or cap refuses a scan already accepted and paid for): the scan
   runs on here from its mirrored event log (`ScanPipeline.adopt`): stages it completed
   are not run again, `seq` goes on where the stream stopped, so a reader that follows
   (or resumes with `Last-Event-ID`) sees one stream and one terminal event;
@@ -34,7 +35,7 @@ from typing import Any
 
 import asyncpg
 
-from app.errors import DatabaseError, EcoscanError, ProcessLost
+from app.errors import DatabaseError, ProcessLost
 from app.limits.admission import Admission, Ticket
 from app.runtime.metrics import Metrics
 from app.runtime.redis_link import RedisError, RedisLink
@@ -192,10 +193,7 @@ class Liveness:
         reason, left_s = self._why_not(handover, entries)
         ticket: Ticket = NoTicket()
         if reason is None and handover is not None:
-            try:
-                ticket = await self._admission.admit(handover.rate_key)
-            except EcoscanError as exc:
-                reason = ProcessLost(f"{ProcessLost.default_message} ({exc.code} here)")
+            ticket = self._admission.adopt(handover.rate_key)
         scan = (handover or _unknown(row)).accepted(scan_id, ticket)
         run = self._pipeline.adopt(
             scan, entries, deadline_s=left_s, token_sha256=row["token_sha256"], lost=reason

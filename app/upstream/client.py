@@ -101,11 +101,8 @@ class Upstream:
         # Per stage, a running mean of the tokens one call reserves: what a budget's TPM
         # means in calls per second.
         self._tokens_per_call: dict[str, float] = {}
-        # The stages that draw on each budget (they share its calls and tokens).
-        self._stages_by_budget: dict[int, frozenset[str]] = {
-            id(budget): frozenset(r.stage for r in router.routes if r.budget is budget)
-            for budget in self.budgets.values()
-        }
+        # Requests made per stage (each with its retries): how many of the scans call it.
+        self.requests: dict[str, int] = {}
 
     @property
     def routes(self) -> Sequence[Route]:
@@ -125,20 +122,19 @@ class Upstream:
         return self.router.predicted_wait(stage, tokens, ahead=ahead + queued_at_gates)
 
     def call_rate(self, stage: str) -> float:
-        """Calls per second the budgets let `stage` make now, over its routes that take
-        calls: what its gate needs slots for (app/limits/sizing.py). A budget several
-        stages draw on serves each of them once a scan: its requests are split evenly,
-        its tokens by what each stage's calls reserve."""
+        """Calls per second the budgets would let `stage` make if it had them to itself, over
+        its routes that take calls: what its gate may need slots for (app/limits/sizing.py).
+        Not split between the stages that share a budget: how they share it depends on the
+        scans (a vision reply from the cache makes no call), and a gate sized for the whole
+        budget costs nothing while the budget, not the gate, holds the calls back."""
+        tokens = self._tokens_per_call.get(stage)
         rate = 0.0
         for route in self.router.by_stage.get(stage, []):
             if route.breaker.out:
                 continue
-            budget = route.budget
-            stages = self._stages_by_budget[id(budget)]
-            calls = budget.effective_rpm / 60 / len(stages)
-            tokens = sum(self._tokens_per_call.get(s, 0.0) for s in stages)
+            calls = route.budget.effective_rpm / 60
             if tokens:
-                calls = min(calls, budget.effective_tpm / 60 / tokens)
+                calls = min(calls, route.budget.effective_tpm / 60 / tokens)
             rate += calls
         return rate
 
@@ -165,6 +161,7 @@ class Upstream:
         read_stream: ReadStream | None,
         on_restart: OnRestart | None,
     ) -> ChatResult:
+        self.requests[request.stage] = self.requests.get(request.stage, 0) + 1
         result = ChatResult()
         failed_on: dict[str, str] = {}  # deployment -> why it failed this call
         failures = 0
