@@ -494,10 +494,15 @@ def _bind_gauges(
         metrics.budget_limit.labels(model, "tokens").set_function(_reader(budget, "effective_tpm"))
     for stage, gate in gates.items():
         metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
+        metrics.semaphore_waiting.labels(stage).set_function(_reader(gate, "waiting"))
+        metrics.semaphore_limit.labels(stage).set_function(_reader(gate, "size"))
     metrics.cpu_queue_depth.set_function(lambda: cpu.waiting)
     metrics.cpu_busy.set_function(lambda: cpu.busy)
+    metrics.cpu_workers.set_function(lambda: cpu.max_workers)
     metrics.reservations_open.set_function(_reader(upstream, "reservations_open"))
     metrics.admission_in_use.set_function(_reader(admission, "in_flight"))
+    metrics.admission_limit.set_function(_reader(admission, "max_inflight"))
+    metrics.admission_waiting.set_function(_reader(admission, "waiting"))
     metrics.scan_rows_deferred.set_function(_reader(store, "deferred"))
 
 
