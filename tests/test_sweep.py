@@ -215,3 +215,27 @@ def test_reports_from_disk_have_the_pivot_heat_map_and_auto_summary(
     assert "| vus=1 | max_workers=2 vision_concurrency=64 | 11.00 (10.00–12.00) |" in table
     assert (tmp_path / "heatmap.png").stat().st_size > 0
     assert "= 0.82×" in capsys.readouterr().out
+
+
+def test_auto_point_adds_one_point_sized_by_the_service_not_a_cross_product() -> None:
+    runs = grid(
+        "--max-workers", "1,2", "--vision-concurrency", "4,16", "--set", "DB_POOL_MAX=5", "--vus", "8"
+    )
+    with_auto = grid(
+        "--max-workers",
+        "1,2",
+        "--vision-concurrency",
+        "4,16",
+        "--set",
+        "DB_POOL_MAX=5",
+        "--vus",
+        "8",
+        "--auto-point",
+    )
+    assert with_auto[:4] == runs
+    (auto,) = with_auto[4:]
+    assert dict(auto.settings) == {
+        "CPU_MAX_WORKERS": "auto",
+        "VISION_CONCURRENCY": "auto",
+        "DB_POOL_MAX": "5",
+    }

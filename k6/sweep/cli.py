@@ -97,6 +97,12 @@ def add_grid_options(p: argparse.ArgumentParser) -> None:
         metavar="KEY=V1,V2",
         help="any other service env var, e.g. --set MAX_INFLIGHT_SCANS=64,256 (repeatable)",
     )
+    grid.add_argument(
+        "--auto-point",
+        action="store_true",
+        help="add one point with every self-sizing axis (CPU_MAX_WORKERS, VISION_CONCURRENCY, "
+        "ANSWER_CONCURRENCY, MAX_INFLIGHT_SCANS) set to auto, compared with the best grid point",
+    )
     grid.add_argument("--vus", type=csv_list, default=[], help="VU levels (closed and scan scenarios)")
     grid.add_argument("--rates", type=csv_list, default=[], help="arrival rates per second (arrival)")
 

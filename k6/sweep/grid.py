@@ -36,6 +36,8 @@ AXIS_FLAGS = {
 # Short names for the tables, progress lines and CSV columns.
 ALIASES = {"CPU_MAX_WORKERS": "max_workers"}
 AUTO = "auto"
+# The settings a service may size itself (`auto`): what `--auto-point` sets to auto.
+AUTO_SIZED = ("CPU_MAX_WORKERS", "VISION_CONCURRENCY", "ANSWER_CONCURRENCY", "MAX_INFLIGHT_SCANS")
 UNLIMITED_RPM = 1_000_000
 UNLIMITED_TPM = 1_000_000_000
 
@@ -166,10 +168,15 @@ def build_grid(args: argparse.Namespace) -> list[Point]:
     unset = tuple(name for name, values in axes if AUTO in values and not accepts_auto(name))
     for name in unset:
         print(f"note: the service cannot read {name}=auto yet; its `auto` points leave it unset (default)")
+    if args.auto_point:
+        axes = with_auto_point(axes)
     names = [name for name, _ in axes]
+    combos = list(dict.fromkeys(itertools.product(*[values for _, values in axes])))
+    if args.auto_point:  # the grid's numbers, plus one point sized by the service
+        combos = [c for c in combos if all_or_no_auto(names, c)]
     cells = [
         Point(tuple(zip(names, combo, strict=True)), number(level), fixed_options(args))
-        for combo in itertools.product(*[values for _, values in axes])
+        for combo in combos
         for level in levels
     ]
     cells = [
@@ -177,6 +184,17 @@ def build_grid(args: argparse.Namespace) -> list[Point]:
         for c in cells
     ]
     return interleave(cells, args.repeat)
+
+
+def with_auto_point(axes: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """`--auto-point`: `auto` added to every axis of a setting that sizes itself."""
+    return [(n, v if n not in AUTO_SIZED or AUTO in v else [*v, AUTO]) for n, v in axes]
+
+
+def all_or_no_auto(names: list[str], combo: tuple[str, ...]) -> bool:
+    """With `--auto-point`: every self-sizing setting `auto`, or none of them."""
+    sized = [value == AUTO for name, value in zip(names, combo, strict=True) if name in AUTO_SIZED]
+    return all(sized) or not any(sized)
 
 
 def interleave(cells: list[Point], repeats: int) -> list[Point]:
