@@ -218,20 +218,8 @@ def test_reports_from_disk_have_the_pivot_heat_map_and_auto_summary(
 
 
 def test_auto_point_adds_one_point_sized_by_the_service_not_a_cross_product() -> None:
-    runs = grid(
-        "--max-workers", "1,2", "--vision-concurrency", "4,16", "--set", "DB_POOL_MAX=5", "--vus", "8"
-    )
-    with_auto = grid(
-        "--max-workers",
-        "1,2",
-        "--vision-concurrency",
-        "4,16",
-        "--set",
-        "DB_POOL_MAX=5",
-        "--vus",
-        "8",
-        "--auto-point",
-    )
+    flags = ["--max-workers", "1,2", "--vision-concurrency", "4,16", "--set", "DB_POOL_MAX=5", "--vus", "8"]
+    runs, with_auto = grid(*flags), grid(*flags, "--auto-point")
     assert with_auto[:4] == runs
     (auto,) = with_auto[4:]
     assert dict(auto.settings) == {
@@ -239,3 +227,6 @@ def test_auto_point_adds_one_point_sized_by_the_service_not_a_cross_product() ->
         "VISION_CONCURRENCY": "auto",
         "DB_POOL_MAX": "5",
     }
+    # What the service is given: `auto`, or nothing where it cannot read `auto` yet.
+    expected = {name: "auto" for name in ("CPU_MAX_WORKERS", "VISION_CONCURRENCY") if accepts_auto(name)}
+    assert auto.service_settings() == {**expected, "DB_POOL_MAX": "5"}

@@ -165,11 +165,11 @@ def build_grid(args: argparse.Namespace) -> list[Point]:
     levels = args.rates if args.scenario == "arrival" else args.vus
     if not levels:
         raise SystemExit("give load levels: --rates for the arrival scenario, --vus otherwise")
+    if args.auto_point:
+        axes = with_auto_point(axes)
     unset = tuple(name for name, values in axes if AUTO in values and not accepts_auto(name))
     for name in unset:
         print(f"note: the service cannot read {name}=auto yet; its `auto` points leave it unset (default)")
-    if args.auto_point:
-        axes = with_auto_point(axes)
     names = [name for name, _ in axes]
     combos = list(dict.fromkeys(itertools.product(*[values for _, values in axes])))
     if args.auto_point:  # the grid's numbers, plus one point sized by the service
