@@ -113,10 +113,21 @@ RATES = {
 
 
 def test_the_pivot_is_scans_per_second_by_lane_width_and_gate_size_per_load() -> None:
-    runs = grid("--max-workers", "1,2", "--vision-concurrency", "8,64", "--vus", "1,2", "--repeat", "2")
+    runs = grid(
+        "--max-workers", "1,2", "--vision-concurrency", "8,64", "--vus", "1,2", "--repeat", "2",
+        "--set", "MAX_INFLIGHT_PER_USER=10", "--set", "DB_POOL_MAX=5,10",
+    )  # fmt: skip
     points = points_of(fake_sweep(runs, RATES))
     tables = pivots(points)
-    assert [t.title for t in tables] == ["vus=1", "vus=2"]
+    # One per load level and value of another varied axis; a one-value axis goes unnamed.
+    titles = [
+        "vus=1, db_pool_max=5",
+        "vus=2, db_pool_max=5",
+        "vus=1, db_pool_max=10",
+        "vus=2, db_pool_max=10",
+    ]
+    assert [t.title for t in tables] == titles
+    tables = [t for t in tables if t.title.endswith("=5")]
     at_two = tables[1]
     assert (at_two.rows, at_two.columns) == (["1", "2"], ["8", "64"])
     assert at_two.cells[("2", "64")]["throughput"] == 22.0  # median of 20 and 24

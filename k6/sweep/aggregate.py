@@ -114,6 +114,16 @@ def points_of(runs: list[tuple[Point, Row]]) -> list[tuple[Point, Row]]:
     return [(cell, median_row(rows)) for cell, rows in grouped.items()]
 
 
+def varying_axes(points: list[tuple[Point, Row]]) -> set[str]:
+    """The settings that take more than one value in the grid: the others (one `--set`
+    value for every point) need not be named in a pivot's or comparison's title."""
+    values: dict[str, set[str]] = {}
+    for point, _ in points:
+        for k, v in point.settings:
+            values.setdefault(k, set()).add(v)
+    return {k for k, vs in values.items() if len(vs) > 1}
+
+
 def pivot_key(point: Point, names: tuple[str, ...]) -> str:
     settings = dict(point.settings)
     return "/".join(settings.get(n, UNSET) for n in names) if any(n in settings for n in names) else UNSET
@@ -143,9 +153,12 @@ def pivots(points: list[tuple[Point, Row]]) -> list[Pivot]:
     if PIVOT_ROWS not in axes and not gate_axes:
         return []
     column_name = "/".join(short(n) for n in gate_axes) or "gates"
+    varied = varying_axes(points)
     out: dict[tuple[Any, ...], Pivot] = {}
     for point, row in points:
-        others = tuple((k, v) for k, v in point.settings if k != PIVOT_ROWS and k not in gate_axes)
+        others = tuple(
+            (k, v) for k, v in point.settings if k != PIVOT_ROWS and k not in gate_axes and k in varied
+        )
         title = f"{point.level_name}={point.level}" + (f", {config_label(dict(others))}" if others else "")
         pivot = out.setdefault((point.level, others), Pivot(title, [], [], {}, column_name))
         r, c = pivot_key(point, (PIVOT_ROWS,)), pivot_key(point, gate_axes)
@@ -175,9 +188,10 @@ def auto_vs_best(points: list[tuple[Point, Row]]) -> list[AutoVsBest]:
     """Each point with an `auto` setting against the fastest point (median scans/s)
     without one at the same load level and values of the axes that have no `auto`."""
     auto_axes = {k for point, _ in points for k, v in point.settings if v == AUTO}
+    varied = varying_axes(points)
     groups: dict[tuple[Any, ...], list[tuple[Point, Row]]] = {}
     for point, row in points:
-        fixed_axes = tuple((k, v) for k, v in point.settings if k not in auto_axes)
+        fixed_axes = tuple((k, v) for k, v in point.settings if k not in auto_axes and k in varied)
         groups.setdefault((point.level, fixed_axes), []).append((point, row))
     out = []
     for (level, fixed_axes), members in groups.items():
