@@ -146,6 +146,7 @@ def test_auto_points_stand_beside_the_best_grid_point_of_their_load() -> None:
     for c in full_auto:
         assert c.best.label == "max_workers=2 vision_concurrency=64"
         assert c.ratio == pytest.approx(9.0 / 11.0)
+        assert not c.within_spread  # 9–9 against 10–12 (×load): the runs do not overlap
     assert len(auto_vs_best(points)) == 2 * 5  # every point with an auto, at each load
 
 
@@ -225,7 +226,13 @@ def test_reports_from_disk_have_the_pivot_heat_map_and_auto_summary(
     assert "| 2 | 8.00 (7.00–9.00) | **11.00 (10.00–12.00)** |" in table
     assert "| vus=1 | max_workers=2 vision_concurrency=64 | 11.00 (10.00–12.00) |" in table
     assert (tmp_path / "heatmap.png").stat().st_size > 0
-    assert "= 0.82×" in capsys.readouterr().out
+    assert "= 0.82×\n" in capsys.readouterr().out
+    # The same two points, with runs that overlap: the ratio is no verdict, and says so.
+    for run in runs:
+        if run.is_auto and run.repeat == 2:
+            write_json(tmp_path / "points" / run.filename, fake_result(run, 10.5))
+    write_reports(tmp_path, runs)
+    assert "= 0.89× (the runs overlap)" in capsys.readouterr().out
 
 
 def test_auto_point_adds_one_point_sized_by_the_service_not_a_cross_product() -> None:

@@ -183,6 +183,15 @@ class AutoVsBest:
         best, auto = self.best_row.get("throughput"), self.auto_row.get("throughput")
         return auto / best if best and auto is not None else None
 
+    @property
+    def within_spread(self) -> bool:
+        """Whether the two points' runs overlap (min–max): then the ratio is no verdict."""
+        ranges = [(r.get("throughput_min"), r.get("throughput_max")) for r in (self.best_row, self.auto_row)]
+        (best_lo, best_hi), (auto_lo, auto_hi) = ranges
+        if best_lo is None or best_hi is None or auto_lo is None or auto_hi is None:
+            return False
+        return bool(auto_hi >= best_lo and best_hi >= auto_lo)
+
 
 def auto_vs_best(points: list[tuple[Point, Row]]) -> list[AutoVsBest]:
     """Each point with an `auto` setting against the fastest point (median scans/s)

@@ -141,12 +141,19 @@ def pivot_lines(pivot: Pivot) -> list[str]:
     return ["", f"### {pivot.title}", "", *md_table(header, rows)]
 
 
+def fmt_ratio(c: AutoVsBest) -> str:
+    if c.ratio is None:
+        return "-"
+    return f"{c.ratio:.2f}×" + (" (the runs overlap)" if c.within_spread else "")
+
+
 def auto_lines(comparisons: list[AutoVsBest]) -> list[str]:
     header = ["load", "best grid point", "scans/s", "auto point", "scans/s", "auto ÷ best"]
     rows = []
     for c in comparisons:
-        ratio = "-" if c.ratio is None else f"{c.ratio:.2f}×"
-        rows.append([c.group, c.best.label, fmt_rate(c.best_row), c.auto.label, fmt_rate(c.auto_row), ratio])
+        rows.append(
+            [c.group, c.best.label, fmt_rate(c.best_row), c.auto.label, fmt_rate(c.auto_row), fmt_ratio(c)]
+        )
     return md_table(header, rows)
 
 
@@ -154,10 +161,9 @@ def summary_lines(comparisons: list[AutoVsBest]) -> list[str]:
     """What the console prints at the end: each auto point beside the best grid point."""
     out = []
     for c in comparisons:
-        ratio = "-" if c.ratio is None else f"{c.ratio:.2f}×"
         out.append(
             f"{c.group}: auto [{c.auto.label}] {fmt_rate(c.auto_row)} scans/s vs best grid point "
-            f"[{c.best.label}] {fmt_rate(c.best_row)} = {ratio}"
+            f"[{c.best.label}] {fmt_rate(c.best_row)} = {fmt_ratio(c)}"
         )
     return out
 
