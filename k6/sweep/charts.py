@@ -60,9 +60,10 @@ def write_heatmap(path: Path, tables: list[Pivot], plt: Any) -> bool:
         return False
     cols = min(len(tables), HEATMAPS_PER_ROW)
     nrows = math.ceil(len(tables) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols + 1, 3.6 * nrows), dpi=110, squeeze=False)
+    size = (4.2 * cols + 1, 3.6 * nrows)
+    fig, axes = plt.subplots(nrows, cols, figsize=size, dpi=110, squeeze=False, layout="constrained")
     image = None
-    for ax, table in itertools.zip_longest(axes.flat, tables):
+    for index, (ax, table) in enumerate(itertools.zip_longest(axes.flat, tables)):
         if table is None:
             ax.axis("off")
             continue
@@ -71,7 +72,8 @@ def write_heatmap(path: Path, tables: list[Pivot], plt: Any) -> bool:
         ax.set_xticks(range(len(table.columns)), table.columns)
         ax.set_yticks(range(len(table.rows)), table.rows)
         ax.set_xlabel(table.column_name)
-        ax.set_ylabel("max_workers")
+        if index % cols == 0:
+            ax.set_ylabel("max_workers")
         ax.set_title(table.title, fontsize="medium")
         best = table.best()
         for i, r in enumerate(table.rows):
