@@ -57,7 +57,16 @@ def fake_result(run: Point, throughput: float, **metrics: Any) -> dict[str, Any]
         "k6": {"completed": throughput * 10, "failed": 0, "rejected": 0, "throughput": throughput},
         "resources": {"service": {"cpu_avg": 50.0, "cpu_max": 80.0, "rss_max_mb": 100.0, "cpu_s": 1.0}},
         "metrics": {"binding": "cpu", **metrics},
-        "slots": {"slots_cpu_busy_avg": 1.5, "slots_cpu_busy_max": 2.0, "slots_cpu_limit": 2.0},
+        "slots": {
+            "slots_cpu_busy_avg": 1.5,
+            "slots_cpu_busy_max": 2.0,
+            "slots_cpu_limit_avg": 2.0,
+            "slots_cpu_limit_max": 2.0,
+            "slots_vision_gate_avg": 3.0,
+            "slots_vision_gate_max": 6.0,
+            "slots_vision_gate_limit_avg": 6.4,
+            "slots_vision_gate_limit_max": 12.0,
+        },
     }
 
 
@@ -194,18 +203,19 @@ def test_no_limit_binds_when_every_wait_is_noise() -> None:
 def test_the_slots_are_the_limit_gauges_over_the_run() -> None:
     m = Metrics(process=False)
     scrapes = []
-    for busy, gate in ((2, 5), (1, 8), (0, 2)):
+    for busy, gate, size in ((2, 5, 6), (1, 8, 8), (0, 2, 10)):  # an automatic gate growing
         m.cpu_busy.set(busy)
         m.cpu_workers.set(2)
         m.semaphore_in_use.labels("vision").set(gate)
-        m.semaphore_limit.labels("vision").set(8)
+        m.limit.labels("vision_gate").set(size)
         m.budget_waiters.labels("gpt-4o-mini").set(1)
         m.budget_waiters.labels("gpt-4o").set(2)
         scrapes.append(parse_prometheus(m.render().decode()))
     slots = slots_digest(scrapes)
-    assert (slots["slots_cpu_busy_avg"], slots["slots_cpu_busy_max"], slots["slots_cpu_limit"]) == (1, 2, 2)
+    cpu = (slots["slots_cpu_busy_avg"], slots["slots_cpu_busy_max"], slots["slots_cpu_limit_max"])
+    assert cpu == (1, 2, 2)
     assert (slots["slots_vision_gate_avg"], slots["slots_vision_gate_max"]) == (5, 8)
-    assert slots["slots_vision_gate_limit"] == 8
+    assert (slots["slots_vision_gate_limit_avg"], slots["slots_vision_gate_limit_max"]) == (8, 10)
     assert slots["slots_budget_waiting_max"] == 3  # summed over the budgets
     assert slots["slots_answer_gate_avg"] is None  # no answer gate in these scrapes
 
@@ -225,6 +235,7 @@ def test_reports_from_disk_have_the_pivot_heat_map_and_auto_summary(
     table = (tmp_path / "table.md").read_text()
     assert "| 2 | 8.00 (7.00–9.00) | **11.00 (10.00–12.00)** |" in table
     assert "| vus=1 | max_workers=2 vision_concurrency=64 | 11.00 (10.00–12.00) |" in table
+    assert "| 1.5 / 2 of 2 | - | 3.0 / 6 of 6–12 |" in table  # CPU busy; queued; the moving gate
     assert (tmp_path / "heatmap.png").stat().st_size > 0
     assert "= 0.82×\n" in capsys.readouterr().out
     # The same two points, with runs that overlap: the ratio is no verdict, and says so.

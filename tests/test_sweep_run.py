@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from app.settings import Settings
+
 REPO = Path(__file__).resolve().parent.parent
 SWEEP_TIMEOUT_S = 100.0  # two runs: each a service start, 2 s of load and the scrapes
 GRID = ["--max-workers", "1,auto", "--vus", "2", "--scenario", "closed", "--duration", "2s"]
@@ -54,7 +56,11 @@ async def test_a_tiny_sweep_measures_splits_and_resumes(database_url: str, tmp_p
         for limit in ("admission", "vision_gate", "answer_gate", "vision_budget"):
             assert row[f"wait_{limit}_ms"] != "", limit
         assert float(row["slots_inflight_max"]) >= 1  # sampled while k6 loaded
-    assert float(points["1"]["slots_cpu_limit"]) == 1
+    assert float(points["1"]["slots_cpu_limit_max"]) == 1
+    # `auto` reached the service, which sized the lane itself (one worker per core).
+    assert float(points["auto"]["slots_cpu_limit_max"]) == Settings.from_env({}).cpu_max_workers
+    for row in points.values():  # the gates' sizes in effect, fixed or automatic
+        assert float(row["slots_vision_gate_limit_max"]) >= 1
     assert "= " in printed and "auto [max_workers=auto]" in printed  # auto beside the best
     assert (out / "heatmap.png").exists()
 

@@ -149,12 +149,22 @@ class Admission:
                 raise ServerBusy(retry_after_s=self._retry_after_busy()) from None
             raise
 
-    def _release_slot(self) -> None:
-        while self._waiters:
+    def resize(self, max_inflight: int) -> None:
+        """A new global cap: a rise admits waiters at once; a fall takes effect as scans end."""
+        self.max_inflight = max_inflight
+        while self._waiters and self.in_flight < self.max_inflight:
             waiter = self._waiters.popleft()
             if not waiter.done():
+                self.in_flight += 1
                 waiter.set_result(None)
-                return
+
+    def _release_slot(self) -> None:
+        if self.in_flight <= self.max_inflight:  # over the cap after a fall: the slot goes
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
         self.in_flight -= 1
 
     def _release(self, user_key: str, global_slot: str | None) -> None:

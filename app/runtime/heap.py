@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 # Garbage in reference cycles lives at most about this long.
 COLLECT_EVERY_S = 60.0
@@ -81,3 +83,22 @@ class _Tuning:
 
 # The apps in this process that are inside `tuned_heap`, the first one's tuning each.
 _tuned: list[_Tuning] = []
+
+
+@contextlib.contextmanager
+def timed_collections(observe: Callable[[int, float], None]) -> Iterator[None]:
+    """Within: `observe(generation, seconds)` after every collection, automatic or not:
+    each one holds the loop for that long (`ecoscan_gc_pause_seconds`)."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            observe(int(info["generation"]), time.perf_counter() - started.pop())
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)

@@ -66,6 +66,9 @@ MAX_ERROR_BODY_CHARS = 300
 STREAM_END_WAIT_S = 0.1
 # A deployment that refuses a key or has no such deployment answers these.
 OUT_STATUSES = (401, 403, 404)
+# Failures that say the upstream has more than it can take: the stage gate's automatic
+# limit backs off (app/limits/adaptive.py).
+OVERLOAD_REASONS = frozenset({"429", "5xx", "timeout"})
 # Replies that broke on the way (a cut stream, a body that is not JSON): the deployment's
 # failure, where a refusal, a filter or a token cap is an answer.
 BROKEN_REPLIES = frozenset({"truncated", "bad_body", "bad_chunk", "stream_error"})
@@ -95,6 +98,14 @@ class Upstream:
             self.budgets.setdefault(route.deployment.budget_key(route.model), route.budget)
         # Reservations taken and not yet settled: zero whenever no call is in progress.
         self.reservations_open = 0
+        # Per stage, a running mean of the tokens one call reserves: what a budget's TPM
+        # means in calls per second.
+        self._tokens_per_call: dict[str, float] = {}
+        # The stages that draw on each budget (they share its calls and tokens).
+        self._stages_by_budget: dict[int, frozenset[str]] = {
+            id(budget): frozenset(r.stage for r in router.routes if r.budget is budget)
+            for budget in self.budgets.values()
+        }
 
     @property
     def routes(self) -> Sequence[Route]:
@@ -112,6 +123,24 @@ class Upstream:
         `ahead` calls (plus those queued at the stage gates, not at a budget yet)."""
         queued_at_gates = sum(g.waiting for g in self.gates.values())
         return self.router.predicted_wait(stage, tokens, ahead=ahead + queued_at_gates)
+
+    def call_rate(self, stage: str) -> float:
+        """Calls per second the budgets let `stage` make now, over its routes that take
+        calls: what its gate needs slots for (app/limits/sizing.py). A budget several
+        stages draw on serves each of them once a scan: its requests are split evenly,
+        its tokens by what each stage's calls reserve."""
+        rate = 0.0
+        for route in self.router.by_stage.get(stage, []):
+            if route.breaker.out:
+                continue
+            budget = route.budget
+            stages = self._stages_by_budget[id(budget)]
+            calls = budget.effective_rpm / 60 / len(stages)
+            tokens = sum(self._tokens_per_call.get(s, 0.0) for s in stages)
+            if tokens:
+                calls = min(calls, budget.effective_tpm / 60 / tokens)
+            rate += calls
+        return rate
 
     async def complete(self, request: ChatRequest, *, deadline: float) -> ChatResult:
         return await self._with_retries(request, deadline, None, None)
@@ -239,6 +268,8 @@ class Upstream:
             m.stage_queue.labels(call.stage, "budget").observe(budget_wait)
             result.queue_s += gate_wait + budget_wait
             m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
+            mean = self._tokens_per_call.get(call.stage, float(reservation.tokens))
+            self._tokens_per_call[call.stage] = mean + 0.05 * (reservation.tokens - mean)
             m.upstream_routed.labels(route.name, call.stage).inc()
             breaker = route.breaker
             probe = breaker.begin(self._clock.now())
@@ -246,10 +277,13 @@ class Upstream:
             started = time.perf_counter()
             self.reservations_open += 1
             route.in_flight += 1
+            overloaded: bool | None = None  # None: the call said nothing (cancelled)
             try:
                 await self._call(route, call, reservation, read_stream, result)
                 breaker.succeeded(self._clock.now())
+                overloaded = False
             except AttemptFailed as failed:
+                overloaded = failed.reason in OVERLOAD_REASONS
                 if breaker.verdicts == verdicts:  # the reply's fault, not told to the breaker yet
                     if failed.reason in BROKEN_REPLIES:
                         breaker.failed(self._clock.now(), failed.reason)
@@ -265,6 +299,8 @@ class Upstream:
                 # settled exactly once; an unsettled one here means "spent as reserved".
                 reservation.settle(reservation.tokens)
                 elapsed = time.perf_counter() - started
+                if overloaded is not None:
+                    gate.observe(elapsed, overloaded=overloaded)
                 result.service_s += elapsed
                 m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
                 self._show_state(route)

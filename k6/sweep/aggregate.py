@@ -31,11 +31,7 @@ METRIC_COLUMNS = (
     *(f"wait_{name}_{stat}" for name, _, _ in WAITS for stat in ("ms", "p95_ms", "s")),
     "binding",
 )
-SLOT_COLUMNS = tuple(
-    f"slots_{name}" if name.endswith("_limit") else f"slots_{name}_{stat}"
-    for name, _, _ in SLOTS
-    for stat in (("",) if name.endswith("_limit") else ("avg", "max"))
-)
+SLOT_COLUMNS = tuple(f"slots_{name}_{stat}" for name, _, _ in SLOTS for stat in ("avg", "max"))
 # The pivot: CPU lane width down, stage gate sizes across.
 PIVOT_ROWS = "CPU_MAX_WORKERS"
 PIVOT_COLUMNS = ("VISION_CONCURRENCY", "ANSWER_CONCURRENCY")

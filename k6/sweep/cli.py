@@ -100,8 +100,9 @@ def add_grid_options(p: argparse.ArgumentParser) -> None:
     grid.add_argument(
         "--auto-point",
         action="store_true",
-        help="add one point with every self-sizing axis (CPU_MAX_WORKERS, VISION_CONCURRENCY, "
-        "ANSWER_CONCURRENCY, MAX_INFLIGHT_SCANS) set to auto, compared with the best grid point",
+        help="add one point with every self-sizing axis (CPU_MAX_WORKERS, CPU_QUEUE_LIMIT, "
+        "VISION_CONCURRENCY, ANSWER_CONCURRENCY, MAX_INFLIGHT_SCANS) set to auto, compared with "
+        "the best grid point",
     )
     grid.add_argument("--vus", type=csv_list, default=[], help="VU levels (closed and scan scenarios)")
     grid.add_argument("--rates", type=csv_list, default=[], help="arrival rates per second (arrival)")

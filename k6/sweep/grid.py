@@ -37,7 +37,13 @@ AXIS_FLAGS = {
 ALIASES = {"CPU_MAX_WORKERS": "max_workers"}
 AUTO = "auto"
 # The settings a service may size itself (`auto`): what `--auto-point` sets to auto.
-AUTO_SIZED = ("CPU_MAX_WORKERS", "VISION_CONCURRENCY", "ANSWER_CONCURRENCY", "MAX_INFLIGHT_SCANS")
+AUTO_SIZED = (
+    "CPU_MAX_WORKERS",
+    "CPU_QUEUE_LIMIT",
+    "VISION_CONCURRENCY",
+    "ANSWER_CONCURRENCY",
+    "MAX_INFLIGHT_SCANS",
+)
 UNLIMITED_RPM = 1_000_000
 UNLIMITED_TPM = 1_000_000_000
 

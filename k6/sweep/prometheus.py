@@ -39,19 +39,22 @@ WAITS: tuple[tuple[str, str, dict[str, str]], ...] = (
 # average: below it the wait is scheduling noise, and no limit held the scans.
 BINDING_MIN_MS = 1.0
 # The limit gauges sampled during the run: column name, gauge, labels (summed over the
-# rest: the budget's waiters over models). `*_limit` ones are sizes, the rest use.
+# rest: the budget's waiters over models). `*_limit` ones are sizes (which an automatic
+# limit moves during the run), the rest use.
+LIMIT = "ecoscan_limit"
 SLOTS: tuple[tuple[str, str, dict[str, str]], ...] = (
     ("inflight", "ecoscan_admission_slots_in_use", {}),
-    ("inflight_limit", "ecoscan_admission_slots_limit", {}),
+    ("inflight_limit", LIMIT, {"limit": "admission"}),
     ("admission_waiting", "ecoscan_admission_waiting", {}),
     ("cpu_busy", "ecoscan_cpu_busy_workers", {}),
     ("cpu_limit", "ecoscan_cpu_workers", {}),
     ("cpu_queued", "ecoscan_cpu_queue_depth", {}),
+    ("cpu_queue_limit", LIMIT, {"limit": "cpu_queue"}),
     ("vision_gate", "ecoscan_stage_semaphore_in_use", {"stage": "vision"}),
-    ("vision_gate_limit", "ecoscan_stage_semaphore_limit", {"stage": "vision"}),
+    ("vision_gate_limit", LIMIT, {"limit": "vision_gate"}),
     ("vision_gate_waiting", "ecoscan_stage_semaphore_waiting", {"stage": "vision"}),
     ("answer_gate", "ecoscan_stage_semaphore_in_use", {"stage": "answer"}),
-    ("answer_gate_limit", "ecoscan_stage_semaphore_limit", {"stage": "answer"}),
+    ("answer_gate_limit", LIMIT, {"limit": "answer_gate"}),
     ("answer_gate_waiting", "ecoscan_stage_semaphore_waiting", {"stage": "answer"}),
     ("budget_waiting", "ecoscan_budget_waiters", {}),
 )
@@ -170,14 +173,10 @@ def queue_split(window: Window) -> dict[str, Any]:
 
 def slots_digest(scrapes: list[Samples]) -> dict[str, float | None]:
     """Per gauge of `SLOTS` over scrapes taken during the run: `slots_<name>_avg` and
-    `_max` (a `*_limit`, a size: its largest value only); None where the service has
-    no such gauge."""
+    `_max`; None where the service has no such gauge."""
     out: dict[str, float | None] = {}
     for name, gauge, labels in SLOTS:
         values = [total(s, gauge, **labels) for s in scrapes if present(s, gauge, **labels)]
-        if name.endswith("_limit"):
-            out[f"slots_{name}"] = max(values) if values else None
-            continue
         out[f"slots_{name}_avg"] = round(sum(values) / len(values), 2) if values else None
         out[f"slots_{name}_max"] = max(values) if values else None
     return out

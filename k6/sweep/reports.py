@@ -57,12 +57,16 @@ def fmt_rate(row: Row) -> str:
 
 
 def fmt_slots(row: Row, name: str, limit: str | None) -> str:
-    """`avg / max` of a gauge over the run, `of N` for its limit."""
+    """`avg / max` of a gauge over the run, `of N` for its limit (`of N–M`: its average
+    and largest size, when an automatic limit moved)."""
     avg, top = row.get(f"slots_{name}_avg"), row.get(f"slots_{name}_max")
     if avg is None:
         return "-"
-    size = row.get(f"slots_{limit}") if limit else None
-    return f"{avg:.1f} / {top:.0f}" + (f" of {size:.0f}" if size is not None else "")
+    text = f"{avg:.1f} / {top:.0f}"
+    size, largest = (row.get(f"slots_{limit}_{stat}") for stat in ("avg", "max")) if limit else (None, None)
+    if size is None or largest is None:
+        return text
+    return text + f" of {size:.0f}" + (f"–{largest:.0f}" if round(largest) != round(size) else "")
 
 
 def triple(row: Row, prefix: str) -> str:
@@ -85,7 +89,7 @@ def wait_cells(level: Any, row: Row) -> list[str]:
     cells += [fmt_ms(row.get(f"wait_{name}_ms")) for name, _, _ in WAITS]
     cells += [str(row.get("binding") or "-")]
     cells += [fmt_slots(row, "inflight", "inflight_limit")]
-    cells += [fmt_slots(row, "cpu_busy", "cpu_limit"), fmt_slots(row, "cpu_queued", None)]
+    cells += [fmt_slots(row, "cpu_busy", "cpu_limit"), fmt_slots(row, "cpu_queued", "cpu_queue_limit")]
     cells += [fmt_slots(row, f"{stage}_gate", f"{stage}_gate_limit") for stage in ("vision", "answer")]
     cells += [fmt_slots(row, "budget_waiting", None)]
     return cells
