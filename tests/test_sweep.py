@@ -259,3 +259,10 @@ def test_auto_point_adds_one_point_sized_by_the_service_not_a_cross_product() ->
     # What the service is given: `auto`, or nothing where it cannot read `auto` yet.
     expected = {name: "auto" for name in ("CPU_MAX_WORKERS", "VISION_CONCURRENCY") if accepts_auto(name)}
     assert auto.service_settings() == {**expected, "DB_POOL_MAX": "5"}
+
+
+def test_auto_with_a_cap_is_an_auto_point_too() -> None:
+    capped, fixed = grid("--vision-concurrency", "auto:32,8", "--vus", "4")
+    assert capped.is_auto and not fixed.is_auto
+    expected = {"VISION_CONCURRENCY": "auto:32"} if accepts_auto("VISION_CONCURRENCY") else {}
+    assert capped.service_settings() == expected

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from .grid import AUTO, Point, config_label, short
+from .grid import Point, config_label, short, sized_by_service
 from .k6_run import TIMED
 from .prometheus import SLOTS, WAITS
 
@@ -192,7 +192,7 @@ class AutoVsBest:
 def auto_vs_best(points: list[tuple[Point, Row]]) -> list[AutoVsBest]:
     """Each point with an `auto` setting against the fastest point (median scans/s)
     without one at the same load level and values of the axes that have no `auto`."""
-    auto_axes = {k for point, _ in points for k, v in point.settings if v == AUTO}
+    auto_axes = {k for point, _ in points for k, v in point.settings if sized_by_service(v)}
     varied = varying_axes(points)
     groups: dict[tuple[Any, ...], list[tuple[Point, Row]]] = {}
     for point, row in points:

@@ -98,11 +98,11 @@ class Point:
 
     @property
     def is_auto(self) -> bool:
-        return any(value == AUTO for _, value in self.settings)
+        return any(sized_by_service(value) for _, value in self.settings)
 
     def service_settings(self) -> dict[str, str]:
         """The env vars the service gets: `auto` ones it cannot read are left out."""
-        return {k: v for k, v in self.settings if not (v == AUTO and k in self.auto_unset)}
+        return {k: v for k, v in self.settings if not (sized_by_service(v) and k in self.auto_unset)}
 
     @property
     def key(self) -> str:
@@ -149,6 +149,11 @@ def service_env_names() -> set[str]:
     return {env_name(f.name) for f in dataclasses.fields(Settings) if not f.metadata.get("env_prefix")}
 
 
+def sized_by_service(value: str) -> bool:
+    """`auto`, or `auto:N` (sized by the service, at most N)."""
+    return value == AUTO or value.startswith(AUTO + ":")
+
+
 def accepts_auto(name: str) -> bool:
     """Whether the service's Settings read `auto` for the env var `name`."""
     try:
@@ -173,7 +178,9 @@ def build_grid(args: argparse.Namespace) -> list[Point]:
         raise SystemExit("give load levels: --rates for the arrival scenario, --vus otherwise")
     if args.auto_point:
         axes = with_auto_point(axes)
-    unset = tuple(name for name, values in axes if AUTO in values and not accepts_auto(name))
+    unset = tuple(
+        name for name, values in axes if any(map(sized_by_service, values)) and not accepts_auto(name)
+    )
     for name in unset:
         print(f"note: the service cannot read {name}=auto yet; its `auto` points leave it unset (default)")
     names = [name for name, _ in axes]
@@ -186,7 +193,9 @@ def build_grid(args: argparse.Namespace) -> list[Point]:
         for level in levels
     ]
     cells = [
-        dataclasses.replace(c, auto_unset=tuple(n for n in unset if dict(c.settings).get(n) == AUTO))
+        dataclasses.replace(
+            c, auto_unset=tuple(n for n in unset if sized_by_service(dict(c.settings).get(n, "")))
+        )
         for c in cells
     ]
     return interleave(cells, args.repeat)
@@ -194,12 +203,12 @@ def build_grid(args: argparse.Namespace) -> list[Point]:
 
 def with_auto_point(axes: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
     """`--auto-point`: `auto` added to every axis of a setting that sizes itself."""
-    return [(n, v if n not in AUTO_SIZED or AUTO in v else [*v, AUTO]) for n, v in axes]
+    return [(n, v if n not in AUTO_SIZED or any(map(sized_by_service, v)) else [*v, AUTO]) for n, v in axes]
 
 
 def all_or_no_auto(names: list[str], combo: tuple[str, ...]) -> bool:
     """With `--auto-point`: every self-sizing setting `auto`, or none of them."""
-    sized = [value == AUTO for name, value in zip(names, combo, strict=True) if name in AUTO_SIZED]
+    sized = [sized_by_service(v) for name, v in zip(names, combo, strict=True) if name in AUTO_SIZED]
     return all(sized) or not any(sized)
 
 
