@@ -44,7 +44,8 @@ def create_app(
             log.info("ecoscan ready")
             try:
                 with (
-                    tuned_heap(settings.gc_young_threshold),  # start-up objects frozen from here
+                    # Start-up objects frozen from here; full collections wait out crowds.
+                    tuned_heap(settings.gc_young_threshold, in_flight=resources.admission.in_flight_now),
                     timed_collections(resources.metrics.observe_gc_pause),
                 ):
                     yield {"resources": resources}

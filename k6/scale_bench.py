@@ -9,7 +9,10 @@ scans/s, failures by code, refusals, scans in flight, RSS per scan in flight, th
 loop's lag (p99 and max) and CPU ms per completed scan.
 
     .venv/bin/python k6/scale_bench.py --vus 3000 --duration 100s --sim-time-scale 3.17
-    .venv/bin/python k6/scale_bench.py --vus 200 --sim-time-scale 0.215 --app k6/lean_floor:app
+    .venv/bin/python k6/scale_bench.py --vus 200 --sim-time-scale 0.215 --compare k6/lean_floor:app --repeat 2
+
+`--compare` runs another app the same way, alternately with this one (`--repeat` times
+each: this box drifts), and prints the ratios of completed scans/s and CPU per scan.
 
 `--set KEY=VALUE` passes more settings (e.g. `--set VISION_CONCURRENCY=64` for the old
 fixed gates). The lean floor (`--app k6/lean_floor:app`) keeps no metrics: its figures
@@ -85,6 +88,8 @@ def main() -> int:
         "--latency-sigma", default="0.25", help="the spread of call latencies (0: users march in step)"
     )
     p.add_argument("--app", default="app.main:app", help="the ASGI app (k6/lean_floor:app: the lean floor)")
+    p.add_argument("--compare", help="another ASGI app run the same way, alternately (k6/lean_floor:app)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each app, interleaved")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting")
     p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "scale-bench")
     p.add_argument(
@@ -96,17 +101,37 @@ def main() -> int:
     extra = dict(kv.split("=", 1) for kv in args.set)
     ensure_database(args.database_url)
     k6 = find_k6(None)
-    args.out.mkdir(parents=True, exist_ok=True)
+    apps = [args.app] + ([args.compare] if args.compare else [])
+    results: dict[str, list[tuple[float, float]]] = {app: [] for app in apps}
+    for run in range(args.repeat):
+        for n, app in enumerate(apps):
+            out = args.out / f"run-{run + 1}-{n + 1}"
+            results[app].append(run_point(args, app, out, k6, duration_s, extra))
+    if args.compare:
+        for run in range(args.repeat):
+            (mine, my_cpu), (theirs, their_cpu) = results[args.app][run], results[args.compare][run]
+            print(
+                f"run {run + 1}: scans/s {mine:.2f} vs {theirs:.2f} ({mine / theirs:.3f}); "
+                f"CPU ms per scan {my_cpu:.2f} vs {their_cpu:.2f} ({my_cpu / their_cpu:.3f})"
+            )
+    return 0
+
+
+def run_point(
+    args: argparse.Namespace, app: str, out: Path, k6: str, duration_s: float, extra: dict[str, str]
+) -> tuple[float, float]:
+    """One run of `app`: (completed scans/s, CPU ms per completed scan)."""
+    out.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     try:
         sim_port = free_port()
         sim_argv = [venv_python(), "-m", "app.sim", "--host", HOST, "--port", str(sim_port)]
         sim_argv += ["--time-scale", args.sim_time_scale, "--rpm", "0", "--tpm", "0"]
         sim_argv += ["--latency-sigma", args.latency_sigma, "--text-tokens", ANSWER_TOKENS]
-        procs.append(sim := start("simulator", sim_argv, dict(os.environ), args.out / "sim.log"))
+        procs.append(sim := start("simulator", sim_argv, dict(os.environ), out / "sim.log"))
         wait_ready(sim, f"http://{HOST}:{sim_port}/sim/stats", START_TIMEOUT_S)
         port = free_port()
-        app_dir, _, module = args.app.rpartition("/")
+        app_dir, _, module = app.rpartition("/")
         argv = [venv_python(), "-m", "uvicorn", module, "--http", "app.http.protocol:HttpToolsProtocol"]
         argv += ["--app-dir", str(ROOT / app_dir), "--host", HOST, "--port", str(port), "--no-access-log"]
         argv += ["--backlog", "4096"]
@@ -119,12 +144,12 @@ def main() -> int:
             **SETTINGS,
             **extra,
         }
-        procs.append(service := start("service", argv, env, args.out / "service.log"))
+        procs.append(service := start("service", argv, env, out / "service.log"))
         url = f"http://{HOST}:{port}"
         wait_ready(service, url + "/readyz", START_TIMEOUT_S)
         k6_env = {**os.environ, "BASE_URL": url, "FORM": "json", "IMAGE_SET": "tiny", "REQ_TIMEOUT": "180s"}
         warm = {**k6_env, "VUS": WARMUP[0], "DURATION": WARMUP[1]}
-        run_k6(k6, "closed.js", warm, args.out / "warmup.log", 120, extra=("--no-thresholds",))
+        run_k6(k6, "closed.js", warm, out / "warmup.log", 120, extra=("--no-thresholds",))
         before = scrape(url)
         rss_idle_mb = total(before, "process_resident_memory_bytes") / 2**20
         sampler = Sampler({"service": service.popen.pid})
@@ -133,13 +158,13 @@ def main() -> int:
         watcher.start()
         try:
             measured = {**k6_env, "VUS": str(args.vus), "DURATION": args.duration}
-            measured["SUMMARY_JSON"] = str(args.out / "k6.json")
+            measured["SUMMARY_JSON"] = str(out / "k6.json")
             measured["GRACEFUL"] = "0s"  # the run's window is the duration: scans cut at its end are k6's
             code = run_k6(
                 k6,
                 "closed.js",
                 measured,
-                args.out / "k6.log",
+                out / "k6.log",
                 duration_s + K6_GRACE_S + 120,
                 extra=("--no-thresholds",),
             )
@@ -151,18 +176,20 @@ def main() -> int:
             if after := scrape(url):
                 break
         if code != 0:
-            raise SystemExit(f"k6 exited with {code}; see {args.out / 'k6.log'}")
-        k6_metrics = json.loads((args.out / "k6.json").read_text())["metrics"]
-        report(args, used["service"], before, after, watcher, k6_metrics, duration_s, rss_idle_mb, sampler)
-        return 0
+            raise SystemExit(f"k6 exited with {code}; see {out / 'k6.log'}")
+        k6_metrics = json.loads((out / "k6.json").read_text())["metrics"]
+        return report(
+            args, app, out, before, after, watcher, k6_metrics, duration_s, rss_idle_mb, sampler, used
+        )
     finally:
         for proc in reversed(procs):
             stop(proc)
 
 
 def report(  # type: ignore[no-untyped-def]
-    args, used, before, after, watcher, k6_metrics, duration_s, rss_idle_mb, sampler
-) -> None:
+    args, app, out, before, after, watcher, k6_metrics, duration_s, rss_idle_mb, sampler, used
+) -> tuple[float, float]:
+    used = used["service"]
     window = Window(before, after)
     k6_done = k6_metrics.get("scan_completed", {}).get("values", {}).get("count", 0)
     if after:
@@ -183,7 +210,7 @@ def report(  # type: ignore[no-untyped-def]
     rss = [mb for _, mb in sampler.samples["service"]]
     in_flight = watcher.in_flight
     lines = [
-        f"app {args.app}, {args.vus} users, {args.duration}, sim time scale {args.sim_time_scale}",
+        f"app {app}, {args.vus} users, {args.duration}, sim time scale {args.sim_time_scale}",
         f"completed scans/s: {completed / duration_s:.2f} ({completed:.0f} scans; k6 saw {k6_done:.0f})",
         f"failed: {sum(failures.values()):.0f} {failures}",
         f"refused: {sum(rejected.values()):.0f} { {code: n for code, n in rejected.items() if n > 0} }",
@@ -212,7 +239,8 @@ def report(  # type: ignore[no-untyped-def]
         lines.append(f"limits at the end: {last}; peak: {peak}")
     text = "\n".join(lines)
     print(text)
-    (args.out / "report.txt").write_text(text + "\n")
+    (out / "report.txt").write_text(text + "\n")
+    return completed / duration_s, (1000 * used["cpu_s"] / completed if completed else float("nan"))
 
 
 if __name__ == "__main__":
