@@ -595,8 +595,10 @@ def _bind_gauges(
         metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
     metrics.cpu_queue_depth.set_function(lambda: cpu.waiting)
     metrics.cpu_busy.set_function(lambda: cpu.busy)
+    metrics.cpu_workers.set_function(lambda: cpu.max_workers)
     metrics.reservations_open.set_function(_reader(upstream, "reservations_open"))
     metrics.admission_in_use.set_function(_reader(admission, "in_flight"))
+    metrics.admission_waiting.set_function(_reader(admission, "waiting"))
     metrics.scan_rows_deferred.set_function(_reader(store, "deferred"))
 
 

@@ -192,10 +192,12 @@ class ScanAcceptance:
 
     async def _admit(self, user_key: str) -> Ticket:
         try:
-            return await self._admission.admit(user_key)
+            ticket = await self._admission.admit(user_key)
         except Exception as exc:
             self._metrics.admission_rejected.labels(getattr(exc, "code", "error")).inc()
             raise
+        self._metrics.admission_wait.observe(ticket.waited_s)
+        return ticket
 
     async def _record(
         self,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -30,12 +31,15 @@ from app.limits.shared_user_caps import SharedUserCaps
 
 
 class Ticket:
-    __slots__ = ("_admission", "_released", "global_slot", "owed", "user_key")
+    __slots__ = ("_admission", "_released", "global_slot", "owed", "user_key", "waited_s")
 
-    def __init__(self, admission: Admission, user_key: str, global_slot: str | None) -> None:
+    def __init__(
+        self, admission: Admission, user_key: str, global_slot: str | None, waited_s: float = 0.0
+    ) -> None:
         self._admission = admission
         self.user_key = user_key
         self.global_slot = global_slot  # the user's slot in Redis, when caps are shared
+        self.waited_s = waited_s  # how long the scan queued for a global slot
         self.owed = admission.calls_per_scan
         self._released = False
 
@@ -87,10 +91,13 @@ class Admission:
         budget_wait = self._predicted_budget_wait(self.owed_calls)
         if budget_wait > self.max_budget_wait_s:
             raise UpstreamBudgetExhausted(retry_after_s=max(1.0, budget_wait - self.max_budget_wait_s))
+        waited_s = 0.0
         if self.in_flight < self.max_inflight and not self._waiters:
             self.in_flight += 1
         else:
+            queued_at = time.perf_counter()
             await self._wait_for_slot()
+            waited_s = time.perf_counter() - queued_at
         # Re-check the user: they may have started another scan while we waited.
         if self.per_user_in_flight.get(user_key, 0) >= self.per_user:
             self._release_slot()
@@ -99,7 +106,12 @@ class Admission:
         global_slot = await self._take_global_slot(user_key)
         self.owed_calls += self.calls_per_scan
         self.admitted += 1
-        return Ticket(self, user_key, global_slot)
+        return Ticket(self, user_key, global_slot, waited_s)
+
+    @property
+    def waiting(self) -> int:
+        """Scans queued for a slot now."""
+        return len(self._waiters)
 
     def adopt(self, user_key: str) -> Ticket:
         """A ticket for a scan another process accepted and died with (app/scans/liveness.py).

@@ -6,6 +6,10 @@ Stage time is split in two: `ecoscan_stage_queue_seconds` is time spent waiting
 (for a stage semaphore, the rate budget or the CPU lane) and
 `ecoscan_stage_service_seconds` is time spent working. They answer different
 questions: the first says a limit is too tight, the second that the work is slow.
+With `ecoscan_admission_wait_seconds` (waiting for a slot before the stream starts)
+they are every wait a scan can have, and each limit's size and use is a gauge beside
+it (`ecoscan_limit`, `ecoscan_cpu_workers`; `*_in_use`/`*_busy_workers`;
+`*_waiting`/`*_queue_depth`): k6/sweep reads them to say which limit held the scans.
 """
 
 from __future__ import annotations
@@ -336,6 +340,9 @@ class Metrics:
             "ecoscan_cpu_queue_depth", "CPU-lane jobs waiting for a worker.", registry=r
         )
         self.cpu_busy = Gauge("ecoscan_cpu_busy_workers", "CPU-lane workers busy.", registry=r)
+        self.cpu_workers = Gauge(
+            "ecoscan_cpu_workers", "CPU-lane worker threads (CPU_MAX_WORKERS as in effect).", registry=r
+        )
         self.cpu_job = Histogram(
             "ecoscan_cpu_job_seconds",
             "CPU-lane jobs: phase=queue (waiting for a worker) or run.",
@@ -365,6 +372,15 @@ class Metrics:
         r = self.registry
         self.admission_in_use = Gauge(
             "ecoscan_admission_slots_in_use", "Admission slots held by scans (global cap).", registry=r
+        )
+        self.admission_waiting = Gauge(
+            "ecoscan_admission_waiting", "Scans waiting for an admission slot.", registry=r
+        )
+        self.admission_wait = Histogram(
+            "ecoscan_admission_wait_seconds",
+            "Time an admitted scan waited for an admission slot (0 when one was free).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.scan_rows_deferred = Gauge(
             "ecoscan_scan_rows_deferred",
