@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import pytest
+import uvloop
 
 from app.limits.rate_budget import RateBudget
 from app.limits.shared_budget import COLD_SHARE, SharedRateBudget
@@ -214,3 +215,21 @@ async def test_a_hung_redis_is_redis_away(own_redis: RedisServer) -> None:
         finally:
             own_redis.thaw()
         assert await eventually(lambda: budget.shared, timeout_s=10)
+
+
+def test_a_grant_due_within_a_millisecond_matures_under_uvloop(
+    redis_server_url: str, redis_prefix: str
+) -> None:
+    """uvloop answers a `call_later` under a millisecond with a plain Handle (no `when()`):
+    the grant it carries must still mature (it once raised there, and the budget starved)."""
+
+    async def main() -> None:
+        async with budgets(redis_server_url, redis_prefix, 1, rpm=60) as (budget,):
+            held = budget.available_requests
+            budget._grant_at((1.0, 10.0), 0.0002)
+            budget._grant_at((1.0, 10.0), 0.05)
+            await asyncio.sleep(0.2)
+            assert budget._pending == (0.0, 0.0) and not budget._maturing
+            assert budget.available_requests >= held + 2 - 1e-9
+
+    uvloop.run(main())

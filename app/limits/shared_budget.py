@@ -133,7 +133,9 @@ class SharedRateBudget(RateBudget):
         # Granted ahead of time, usable at their hour (`_mature`): part of what the head
         # has, so it is not asked for twice. Void on a fall back.
         self._pending = (0.0, 0.0)
-        self._maturing: set[asyncio.TimerHandle] = set()
+        # Grants held back until the debt ahead of them is paid: each timer and when it fires
+        # (kept here: uvloop answers a delay under a millisecond with a plain Handle, no when()).
+        self._maturing: dict[asyncio.Handle, float] = {}
         self._retry_at = 0.0  # a need refused as too far ahead asks again from then
         self._last_need_at = -math.inf
         # Reservations taken in one epoch (shared, fallback, shared again...) refund only
@@ -290,12 +292,13 @@ class SharedRateBudget(RateBudget):
             self._hold(granted)
             return
         self._pending = (self._pending[0] + granted[0], self._pending[1] + granted[1])
-        handle = asyncio.get_running_loop().call_later(wait, self._mature, granted)
-        self._maturing.add(handle)
+        loop = asyncio.get_running_loop()
+        handle = loop.call_later(wait, self._mature, granted)
+        self._maturing[handle] = loop.time() + wait
 
     def _mature(self, granted: tuple[float, float]) -> None:
         now = asyncio.get_running_loop().time()
-        self._maturing = {h for h in self._maturing if h.when() > now and not h.cancelled()}
+        self._maturing = {h: at for h, at in self._maturing.items() if at > now and not h.cancelled()}
         self._pending = (self._pending[0] - granted[0], self._pending[1] - granted[1])
         self._hold(granted)
         self._kick.set()  # the head may need more still
