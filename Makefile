@@ -23,7 +23,7 @@ run: $(VENV)/.installed
 
 # pytest on TEST_WORKERS processes (pytest-xdist): more than the cores, as most of a test's
 # time is spent waiting on processes; the count is measured in docs/benchmarks.md.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 6
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
