@@ -21,11 +21,14 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 run: $(VENV)/.installed
 	$(BIN)/uvicorn app.main:app --http app.http.protocol:HttpToolsProtocol --host $(HOST) --port $(PORT)
 
+# pytest on TEST_WORKERS processes (pytest-xdist): more than the cores, as most of a test's
+# time is spent waiting on processes; the count is measured in docs/benchmarks.md.
+TEST_WORKERS ?= 6
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # The OpenAPI fuzz (tests/test_openapi.py) at length: `make test` runs it bounded (20
 # examples per operation, fixed seed); this runs FUZZ_MAX_EXAMPLES, with FUZZ_SEED to vary.

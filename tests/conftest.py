@@ -48,6 +48,24 @@ SCAN_URL = "/api/v1/scan/classify/completion"
 BASE_SIM = SimConfig(time_scale=0.002, rpm=0, tpm=0, latency_sigma=0.0, text_tokens=40)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On a pytest-xdist worker under `--dist=loadgroup`, xdist suffixes the node id of each
+    test marked `xdist_group` with its group, which is how the tests of a group reach one
+    worker. Without the suffix they are spread over workers (the compose stack brought up by
+    several at once): fail before any fixture starts."""
+    if (
+        getattr(item.config.option, "loadgroup", False)
+        and item.get_closest_marker("xdist_group") is not None
+        and "@" not in item.nodeid
+    ):
+        pytest.fail(
+            "its xdist_group is ignored by this pytest-xdist and pytest"
+            " (pytest-dev/pytest-xdist#1386): see the pin in pyproject.toml",
+            pytrace=False,
+        )
+
+
 def with_database(url: str, name: str) -> str:
     parts = urllib.parse.urlsplit(url)
     return urllib.parse.urlunsplit(parts._replace(path="/" + name))
@@ -114,21 +132,47 @@ def own_redis() -> Iterator[RedisServer]:
         server.close()
 
 
-@pytest.fixture(autouse=True)
-async def no_stray_loop_errors() -> AsyncIterator[None]:
-    """Fail any test during which the event loop's exception handler fired ("Task
-    exception was never retrieved", errors in callbacks...), as asyncpg's suite does."""
+@asynccontextmanager
+async def loop_errors_fail(what: str) -> AsyncIterator[None]:
+    """Fail if the event loop's exception handler fires within ("Task exception was never
+    retrieved", errors in callbacks...), as asyncpg's suite does. Unretrieved task
+    exceptions are reported when the task is freed: the collection at the end frees
+    those in reference cycles."""
     loop = asyncio.get_running_loop()
     errors: list[dict[str, Any]] = []
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, context: errors.append(context))
     try:
         yield
-        gc.collect()  # unretrieved task exceptions are reported when the task is collected
+        gc.collect()
         await asyncio.sleep(0)
     finally:
         loop.set_exception_handler(previous)
-    assert not errors, f"the event loop reported errors: {[e.get('message') for e in errors]}"
+    assert not errors, f"the event loop reported errors {what}: {[e.get('message') for e in errors]}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+async def no_stray_loop_errors_in_session() -> AsyncIterator[None]:
+    """What `no_stray_loop_errors` froze is collected at the end of the session, session
+    fixtures' teardowns included, under the same check."""
+    yield
+    gc.unfreeze()
+    async with loop_errors_fail("at the end of the session"):
+        pass
+
+
+@pytest.fixture(autouse=True)
+async def no_stray_loop_errors() -> AsyncIterator[None]:
+    """Fail any test during which the event loop reported an error. What survives the
+    test's collection is then frozen (`gc.freeze`), so that the next test's collection
+    walks only what that test allocated, not every object of the imports again (walks
+    that cost more CPU than the tests themselves: docs/benchmarks.md). A survivor that a
+    later test turns into cyclic garbage is collected, and checked, at the end of the
+    session instead. (An app's `tuned_heap` unfreezes everything on exit: the test's
+    collection then walks it all.)"""
+    async with loop_errors_fail("during the test"):
+        yield
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

@@ -52,7 +52,8 @@ import pytest
 from .conftest import SCAN_URL, Event, data_url, make_jpeg
 from .service_process import free_port
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(1200)]
+# One worker runs the module (under `pytest -n`): the stack is the module's, one project.
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(1200), pytest.mark.xdist_group("compose")]
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"

@@ -11,6 +11,7 @@ import os
 import signal
 import tempfile
 import urllib.parse
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ import pytest
 from httpx_sse import aconnect_sse
 
 from app.db.embedded import EmbeddedPostgres
+from app.db.migrations import apply_migrations, bundled_migrations
+from app.errors import DatabaseError
+from app.scans.store import ScanStore
 from app.sim.server import RunningSimulator
 
 from .conftest import (
@@ -237,6 +241,41 @@ async def test_frozen_postgres_under_load_client_and_row_agree(
     for job_id, event, code in load.streams:
         expected = ("completed", None) if event == "done" else ("failed", code)
         assert rows[job_id] == expected, (job_id, event, code)
+
+
+async def test_a_running_row_committed_after_its_insert_timed_out_ends_failed(
+    controlled_pg: ControlledPostgres,
+) -> None:
+    """A scan's `running` INSERT times out against a hung server, so the scan is refused
+    (DATABASE_UNAVAILABLE), but the server commits it once it answers again. The row must
+    not stay `running` (it did, now and then, under load: the test above saw it)."""
+    conn = await asyncpg.connect(controlled_pg.dsn)
+    try:
+        await apply_migrations(conn, bundled_migrations())
+    finally:
+        await conn.close()
+    pool = await asyncpg.create_pool(controlled_pg.dsn, min_size=1, max_size=1)
+    store = ScanStore(pool, instance_id=uuid.uuid4(), timeout_s=1.0)
+
+    async def create(scan_id: uuid.UUID) -> None:
+        await store.create(scan_id, user_id="u", image_source="data_url", image_sha256=None, user_input=None)
+
+    try:
+        # Prepared once while the server answers: the refused INSERT then goes out whole.
+        await create(uuid.uuid4())
+        refused = uuid.uuid4()
+        controlled_pg.freeze()
+        try:
+            with pytest.raises(DatabaseError):
+                await create(refused)
+        finally:
+            controlled_pg.thaw()
+        assert await eventually(lambda: store.deferred == 0, attempts=300, interval=0.1)
+        failed = ("failed", "DATABASE_UNAVAILABLE")
+        assert (await _rows(controlled_pg)).get(str(refused), failed) == failed  # or no row at all
+    finally:
+        await store.close(5.0)
+        await pool.close()
 
 
 async def test_sigterm_while_postgres_hangs_still_exits(

@@ -8,9 +8,20 @@ import asyncio
 import contextlib
 import gc
 import weakref
+from collections.abc import Iterator
+
+import pytest
 
 from app.runtime import heap
 from app.runtime.heap import tuned_heap
+
+
+@pytest.fixture(autouse=True)
+def interpreters_collector() -> Iterator[None]:
+    """The collector as the interpreter has it, nothing frozen (conftest.py's
+    `no_stray_loop_errors` freezes what earlier tests left)."""
+    gc.unfreeze()
+    yield
 
 
 class Node:

@@ -8,6 +8,9 @@ row stays `running`:
   or a sweep's `PROCESS_LOST`); the pipeline sends the terminal event only after it.
 - A terminal write the database did not take is kept and retried in the background
   (`defer`) until it does: the row follows the client as soon as the database is back.
+- A `running` write that failed refuses the scan, yet a hung server may still commit it
+  once it answers: a terminal write for it (failed, DATABASE_UNAVAILABLE) is deferred
+  the same way, and matches no row if none was written.
 - Rows of a process that died are found by `sweep_lost`: every process tags its
   connections with its instance id (`app.db.pool.instance_tag`), so a `running` row
   whose instance has no connection left belongs to a dead process.
@@ -27,7 +30,7 @@ from typing import Any
 import asyncpg
 
 from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX
-from app.errors import DatabaseError, ProcessLost, retryable_scan_codes
+from app.errors import DatabaseError, DatabaseUnavailable, ProcessLost, retryable_scan_codes
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,13 @@ class TerminalRow:
         )
 
 
+# What a scan refused because its `running` row could not be written records, should the
+# row appear after all: the client was told DATABASE_UNAVAILABLE.
+_REFUSED_ROW = TerminalRow(
+    "failed", error=("server", DatabaseUnavailable.code, DatabaseUnavailable.default_message)
+)
+
+
 @dataclass(frozen=True)
 class StoredScan:
     id: uuid.UUID
@@ -236,6 +246,10 @@ class ScanStore:
                 await self._retry(retry_of, claim, args)
         except DatabaseError as exc:
             if claim is None or not isinstance(exc.__cause__, asyncpg.UniqueViolationError):
+                # The scan is refused (503), but an INSERT that timed out here may still
+                # commit once a hung server answers again: that row is failed in the
+                # background (no row: the write matches none).
+                self.defer(scan_id, _REFUSED_ROW)
                 raise
             taken = await self.find_key(claim)
             if taken is None:  # its scan was purged in between: a rare retry

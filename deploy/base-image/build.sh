@@ -33,6 +33,11 @@ inputs_hash="$(
 )"
 tag="$repo:$suite-$inputs_hash"
 
+# One build of a tag at a time: a second caller (tests/test_container.py and
+# tests/test_compose_up.py run in parallel) waits, then reuses what the first built.
+exec 9>"${TMPDIR:-/tmp}/ecoscan-base-$inputs_hash.lock"
+flock 9
+
 if [ "${FORCE:-0}" != 1 ] && docker image inspect "$tag" >/dev/null 2>&1; then
   echo "build.sh: $tag exists; reusing it" >&2
   echo "$tag"
