@@ -32,10 +32,10 @@ BIN = Path(sys.executable).parent
 # The load: the simulator's default latencies scaled to ~2 s per scan in all.
 SIM_TIME_SCALE = "0.215"
 ANSWER_TOKENS = "60"
-# The service's settings for that load (k6/cpu_side_by_side.py uses them too). The stage
-# gates are sized by Little's law (≤ 200 calls in progress per stage with 200 users), as
-# docs/configuration.md's VISION_CONCURRENCY row says to: at the default 64 they, not the CPU, held
-# one process near 56 scans/s.
+# The service's settings for that load (k6/cpu_side_by_side.py uses them too): the limits
+# fixed where the load needs them (≤ 200 calls in progress per stage with 200 users), so
+# that CPU per scan compares builds without their sizing's moves in the way
+# (cpu_side_by_side.py --defaults runs the limits at `auto`).
 RECIPE_SETTINGS = {
     "MAX_INFLIGHT_SCANS": "4000",
     "CPU_QUEUE_LIMIT": "4000",
