@@ -36,7 +36,7 @@ from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
 from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
-from app.limits.shared_budget import SharedRateBudget
+from app.limits.shared_budget import SharedRateBudget, holder_name
 from app.limits.shared_user_caps import SharedUserCaps
 from app.limits.stage_gate import StageGate
 from app.runtime.loop_lag import probe_loop_lag
@@ -59,6 +59,7 @@ from app.upstream.endpoint import ChatEndpoint
 from app.upstream.negotiation import Negotiation
 from app.upstream.providers import PROVIDERS
 from app.upstream.routes import Route, Router
+from app.upstream.shared_breaker import SharedBreakers
 
 log = logging.getLogger("app")
 
@@ -267,10 +268,11 @@ async def _upstream(
     endpoints: dict[tuple[str, str], ChatEndpoint] = {}
     negotiations: dict[tuple[str, str], Negotiation] = {}
     routes: list[Route] = []
+    breakers: dict[str, Breaker] = {}
     for d in deployments:
         provider = PROVIDERS[d.provider]
-        breaker = Breaker(d.name, open_base_s=settings.upstream_open_s)
-        metrics.upstream_state.labels(d.name).set(0)
+        breaker = breakers[d.health_id()] = Breaker(d.name, open_base_s=settings.upstream_open_s)
+        metrics.upstream_state.labels(d.name).set_function(breaker.gauge)
         for stage in ("vision", "answer"):
             model = d.model_for(stage)
             if model is None:
@@ -312,8 +314,35 @@ async def _upstream(
         base_delay_s=settings.retry_base_delay_s,
         max_delay_s=settings.retry_max_delay_s,
     )
-    upstream = Upstream(Router(routes, clock), gates=gates, retry=retry, metrics=metrics, clock=clock)
+    shared = _shared_breakers(breakers, redis, metrics, clock, stack)
+    upstream = Upstream(
+        Router(routes, clock, spill_after_s=settings.max_budget_wait_s),
+        gates=gates,
+        retry=retry,
+        metrics=metrics,
+        clock=clock,
+        shared_breakers=shared,
+    )
     return upstream, deployments[0].base_url, simulator
+
+
+def _shared_breakers(
+    breakers: Mapping[str, Breaker],
+    redis: RedisLink | None,
+    metrics: Metrics,
+    clock: Clock,
+    stack: AsyncExitStack,
+) -> SharedBreakers | None:
+    """With REDIS_URL, every replica's breakers as one (app/upstream/shared_breaker.py)."""
+    if redis is None:
+        return None
+    shared = SharedBreakers(
+        redis, breakers, clock, holder=holder_name(), on_error=metrics.breaker_redis_errors.inc
+    )
+    shared.start()
+    stack.push_async_callback(_bounded_close, "shared breakers", shared.aclose)
+    metrics.breakers_shared.set_function(lambda: 1 if shared.shared else 0)
+    return shared
 
 
 async def _deployments(settings: Settings, stack: AsyncExitStack) -> tuple[tuple[Deployment, ...], Any]:

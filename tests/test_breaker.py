@@ -61,10 +61,24 @@ def test_a_cancelled_probe_frees_the_slot() -> None:
     b = Breaker("a", open_base_s=1.0)
     for _ in range(3):
         b.failed(0.0, "5xx")
-    b.begin(1.0)
-    assert not b.ready(1.0)
-    b.released()
+    probe = b.begin(1.0)
+    assert probe and not b.ready(1.0)
+    b.released(probe)
     assert b.ready(1.0)
+
+
+def test_a_stale_probe_does_not_free_a_newer_ones_slot() -> None:
+    b = Breaker("a", open_base_s=1.0)
+    for _ in range(3):
+        b.failed(0.0, "5xx")
+    first = b.begin(1.0)
+    b.failed(1.1, "5xx")  # its verdict: open again, for 2 s
+    second = b.begin(3.1)
+    assert second and second != first
+    b.released(first)  # the first call's cleanup, late: not the probe in flight
+    assert b.probing and not b.ready(3.2)
+    b.released(second)
+    assert b.ready(3.2)
 
 
 def test_taking_out_is_loud_and_lasts(caplog: pytest.LogCaptureFixture) -> None:

@@ -152,6 +152,70 @@ async def test_a_refused_key_takes_its_deployment_out_loudly(
     )
 
 
+async def test_a_refused_key_with_no_other_route_is_the_operators_to_fix(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with simulators(1) as (a,):
+        keyless = {**deployment("no-key", a), "provider": "compatible"}
+        del keyless["api_key_env"]  # the simulator answers 401 without a key
+        async with routed_service(database_url, sim, monkeypatch, [keyless]) as svc:
+            first = await scans(svc, 1)
+            later = await scans(svc, 2)  # while it is out: the same answer, no call
+            assert (await sim_stats(a))["requests_total"] == 1
+    for outcome in [*first, *later]:
+        error = outcome.terminal
+        assert (error.event, error.data["code"], error.data["retryable"]) == (
+            "error",
+            "UPSTREAM_REJECTED",
+            False,
+        )
+        assert "retry_after" not in error.data  # waiting does not fix a key
+        assert "credentials" in error.data["message"]
+
+
+async def test_a_budget_that_cannot_take_the_call_in_time_ends_it_at_once_with_a_wait(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One request a minute, one at once: the vision call takes it; the answer call would
+    # wait ~60 s, past its 45 s limit. It fails at once, saying when the budget has room.
+    async with (
+        simulators(1) as (a,),
+        routed_service(database_url, sim, monkeypatch, [deployment("slow", a, rpm=1)]) as svc,
+    ):
+        started = asyncio.get_running_loop().time()
+        (outcome,) = await scans(svc, 1)
+        took = asyncio.get_running_loop().time() - started
+    error = outcome.terminal
+    assert (error.event, error.data["code"], error.data["retryable"]) == (
+        "error",
+        "UPSTREAM_RATE_LIMITED",
+        True,
+    )
+    assert error.data["step"] == "answer"
+    assert 30 <= error.data["retry_after"] <= 70
+    assert took < 20  # not the answer stage's 45 s waited out
+
+
+async def test_a_priority_whose_budget_is_spent_spills_to_the_next(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The primary admits one call a minute: every call after its first goes to the standby
+    # at once, none waits on the primary's budget, no scan fails.
+    async with simulators(2) as (a, b):
+        listed = [deployment("primary", a, rpm=1), deployment("standby", b, priority=1)]
+        async with routed_service(database_url, sim, monkeypatch, listed) as svc:
+            started = asyncio.get_running_loop().time()
+            outcomes = await scans(svc, 4)
+            took = asyncio.get_running_loop().time() - started
+            routed = [
+                svc.metric("ecoscan_upstream_routed_total", {"upstream": n, "stage": "vision"})
+                for n in ("primary", "standby")
+            ]
+    assert [o.terminal.event for o in outcomes] == ["done"] * 4
+    assert routed == [1, 3]
+    assert took < 20
+
+
 async def test_with_every_route_down_the_scan_ends_with_a_wait(
     database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

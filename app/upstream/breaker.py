@@ -10,12 +10,18 @@ call at a time probes it (half-open): a success closes it, a failure opens it ag
 A deployment can also be taken out: a key refused or a deployment that does not exist
 (401/403/404) for `OUT_RETRY_S`, an exhausted quota for `QUOTA_COOLDOWN_S`; then probed
 like an open one. Taking out is logged as an error: someone has to fix it.
+
+With REDIS_URL, what one replica learns reaches the others (app/upstream/shared_breaker.py):
+its own changes go to `listener`; what another replica found arrives through `adopt_open`,
+`adopt_closed` and `probed_elsewhere`, which change this breaker without telling the
+listener again.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +39,16 @@ QUOTA_COOLDOWN_S = 600.0
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 
+class BreakerListener(Protocol):
+    """Told of this replica's own changes (to share them)."""
+
+    def opened(self, breaker: Breaker, seconds: float) -> None: ...
+
+    def closed(self, breaker: Breaker) -> None: ...
+
+    def probe_ended(self, breaker: Breaker) -> None: ...
+
+
 class Breaker:
     def __init__(self, name: str, *, open_base_s: float = OPEN_BASE_S) -> None:
         self.name = name
@@ -46,20 +62,31 @@ class Breaker:
         self.verdicts = 0  # calls that said something about the deployment (success or failure)
         self._failures_in_a_row = 0
         self._recent: deque[tuple[float, bool]] = deque()
+        self.listener: BreakerListener | None = None
+        self._probes = 0  # probes begun: the current one's id
+
+    def gauge(self) -> int:
+        """`ecoscan_upstream_state`: 0 closed, 1 open, 2 half-open, 3 taken out."""
+        if self.out:
+            return 3
+        return {CLOSED: 0, HALF_OPEN: 2}.get(self.state, 1)
+
+    def would_probe(self, now: float) -> bool:
+        """Would a call now be this deployment's probe?"""
+        return self.state != CLOSED and now >= self.open_until and not self.probing
 
     def ready(self, now: float) -> bool:
         """May a call go to this deployment now (a probe, when half-open)? Changes nothing."""
-        if self.state == CLOSED:
-            return True
-        return now >= self.open_until and not self.probing
+        return self.state == CLOSED or self.would_probe(now)
 
-    def begin(self, now: float) -> bool:
-        """A call goes: past its cooldown an open breaker lets this one through as the probe
-        (True: this call is the probe)."""
-        if self.state != CLOSED and now >= self.open_until and not self.probing:
+    def begin(self, now: float) -> int:
+        """A call goes: past its cooldown an open breaker lets this one through as the probe.
+        Returns the probe's id (0: this call is not the probe)."""
+        if self.would_probe(now):
             self.state, self.probing = HALF_OPEN, True
-            return True
-        return False
+            self._probes += 1
+            return self._probes
+        return 0
 
     def succeeded(self, now: float) -> None:
         self.verdicts += 1
@@ -67,6 +94,8 @@ class Breaker:
         self._failures_in_a_row = 0
         if self.state != CLOSED:
             log.warning("upstream %s is back (%s)", self.name, self.reason or "probe succeeded")
+            if self.listener is not None:
+                self.listener.closed(self)
         self.state, self.probing, self.opened, self.out, self.reason = CLOSED, False, 0, False, ""
 
     def failed(self, now: float, reason: str, wait_s: float | None = None) -> None:
@@ -89,9 +118,42 @@ class Breaker:
         self.out = True
         self._open(now, seconds, reason)
 
-    def released(self) -> None:
-        """The probe ended without a verdict (cancelled): the probe slot is free again."""
+    def released(self, probe: int) -> None:
+        """Probe `probe` ended without a verdict (cancelled, or its call never went): the
+        probe slot is free again, unless a verdict or another probe came since."""
+        if not self.probing or probe != self._probes:
+            return
         self.probing = False
+        if self.listener is not None:
+            self.listener.probe_ended(self)
+
+    def adopt_open(self, now: float, seconds: float, *, out: bool, reason: str, opened: int) -> None:
+        """Another replica found it failing (or took it out): open for `seconds` more, and
+        opened `opened` times in a row (a failed probe from here doubles from there)."""
+        if self.state == HALF_OPEN and not out:
+            return  # our probe is in flight: its verdict is fresher
+        if out and not self.out:
+            log.error("upstream %s taken out for %.0f s by another replica: %s", self.name, seconds, reason)
+        elif self.state == CLOSED:
+            log.warning(
+                "upstream %s: open for %.1f s, as another replica found (%s)", self.name, seconds, reason
+            )
+        self.state, self.probing, self.out, self.reason = OPEN, False, out, reason
+        self.open_until = now + seconds
+        self.opened = max(self.opened, opened)
+        self._failures_in_a_row = 0
+
+    def adopt_closed(self) -> None:
+        """Another replica's probe succeeded: calls go again."""
+        if self.state == OPEN:
+            log.warning("upstream %s is back (another replica's probe succeeded)", self.name)
+            self.state, self.opened, self.out, self.reason = CLOSED, 0, False, ""
+            self._failures_in_a_row = 0
+
+    def probed_elsewhere(self, now: float, seconds: float) -> None:
+        """Another replica is probing it: no probe from here for `seconds`."""
+        if self.state == OPEN:
+            self.open_until = max(self.open_until, now + seconds)
 
     def _open(self, now: float, seconds: float, reason: str) -> None:
         if self.state == CLOSED:
@@ -100,6 +162,8 @@ class Breaker:
         self.open_until = now + seconds
         self.opened += 1
         self._failures_in_a_row = 0
+        if self.listener is not None:
+            self.listener.opened(self, seconds)
 
     def _record(self, now: float, *, ok: bool) -> None:
         self._recent.append((now, ok))
