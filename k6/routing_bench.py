@@ -262,8 +262,9 @@ def report(
     outage_started: list[float],
     scrapes: list[dict[str, float]],
 ) -> None:
+    # The steady window ends with the load (not with k6's graceful stop) or at the outage.
     steady_from = t0 + args.warmup
-    steady_to = t0 + outage_started[0] if outage_started else t1
+    steady_to = t0 + (outage_started[0] if outage_started else float(args.duration.rstrip("s")))
     window = steady_to - steady_from
     completed = int(
         psql(
@@ -294,7 +295,8 @@ def report(
         f"steady ({window:.0f} s from {args.warmup:.0f} s): {completed} completed = {rate:.3f} scans/s "
         f"= {100 * rate / bound:.1f}% of the {bound:.2f} scans/s sum of bounds",
         "429s answered: " + ", ".join(f"{n} {last.get(n, {}).get('rate_limited_total')}" for n in names),
-        "calls in the steady window: "
+        f"calls in the steady window: {total_calls} = {total_calls / window:.3f}/s "
+        f"= {100 * total_calls / window / (bound * CALLS_PER_SCAN):.1f}% of the sum of RPMs; "
         + ", ".join(f"{n} {shares[n]} ({100 * shares[n] / total_calls:.1f}%)" for n in names),
         f"admission refusals: {summed(scrapes, 'ecoscan_admission_rejected_total'):.0f}",
         "failovers by reason: " + labelled(scrapes, "ecoscan_upstream_failovers_total", "reason"),
