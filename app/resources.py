@@ -99,6 +99,7 @@ class Resources:
     acceptance: ScanAcceptance
     input_limits: InputLimits
     upstream_base_url: str
+    breakers: dict[str, Breaker]  # by deployment name, for /readyz
     redis: RedisLink | None = None  # REDIS_URL set: what replicas share (app/runtime/redis_link.py)
     simulator: Any = None  # app.sim.server.RunningSimulator when embedded
 
@@ -176,6 +177,7 @@ async def lifespan_resources(
             acceptance=acceptance,
             input_limits=input_limits,
             upstream_base_url=base_url,
+            breakers={route.name: route.breaker for route in upstream.routes},
             redis=redis,
             simulator=simulator,
         )

@@ -45,6 +45,22 @@ def test_the_upstreams_own_wait_wins_when_longer() -> None:
     assert b.open_until == pytest.approx(17.0)
 
 
+def test_calls_sent_before_it_failed_do_not_vouch_for_it() -> None:
+    """Streams in flight when the deployment went down finish fine after its first
+    failures: they neither break the run of failures nor close it once open."""
+    b = Breaker("a", open_base_s=5.0)
+    b.failed(10.0, "5xx")
+    b.succeeded(10.5, started=6.0)  # sent before the failure
+    b.failed(11.0, "5xx")
+    b.succeeded(11.5, started=7.0)
+    b.failed(12.0, "5xx")
+    assert b.state == OPEN
+    b.succeeded(13.0, started=8.0)
+    assert b.state == OPEN and not b.ready(13.0)
+    b.succeeded(17.5, started=17.0)  # sent after: the deployment answers again
+    assert b.state == CLOSED
+
+
 def test_a_failing_window_opens_it_without_a_run() -> None:
     b = Breaker("a")
     t = 0.0

@@ -142,6 +142,11 @@ async def test_a_refused_key_takes_its_deployment_out_loudly(
         async with routed_service(database_url, sim, monkeypatch, listed) as svc:
             outcomes = await scans(svc, 1)
             assert svc.metric("ecoscan_upstream_state", {"upstream": "no-key"}) == 3  # out
+            ready = (await svc.client.get("/readyz")).json()
+            assert ready["ready"] is True  # the other deployment serves
+            assert ready["checks"]["upstreams"]["no-key"].startswith("out for ")
+            assert "401" in ready["checks"]["upstreams"]["no-key"]
+            assert ready["checks"]["upstreams"]["good"] == "closed"
             assert (await sim_stats(a))["requests_total"] == 1  # one 401, then out
             outcomes += await scans(svc, 4)
             got = (await sim_stats(a))["requests_total"]

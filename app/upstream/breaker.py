@@ -20,6 +20,7 @@ listener again.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from typing import Protocol
 
@@ -64,12 +65,22 @@ class Breaker:
         self._recent: deque[tuple[float, bool]] = deque()
         self.listener: BreakerListener | None = None
         self._probes = 0  # probes begun: the current one's id
+        self._last_failure_at = -math.inf
 
     def gauge(self) -> int:
         """`ecoscan_upstream_state`: 0 closed, 1 open, 2 half-open, 3 taken out."""
         if self.out:
             return 3
         return {CLOSED: 0, HALF_OPEN: 2}.get(self.state, 1)
+
+    def describe(self, now: float) -> str:
+        """For `/readyz`: "closed", "probing", or "open"/"out" with why and for how long."""
+        if self.state == CLOSED:
+            return "closed"
+        if self.probing:
+            return f"probing ({self.reason})"
+        left = max(0.0, self.open_until - now)
+        return f"{'out' if self.out else 'open'} for {left:.0f} s more ({self.reason})"
 
     def would_probe(self, now: float) -> bool:
         """Would a call now be this deployment's probe?"""
@@ -88,9 +99,14 @@ class Breaker:
             return self._probes
         return 0
 
-    def succeeded(self, now: float) -> None:
+    def succeeded(self, now: float, started: float | None = None) -> None:
+        """A call that `started` then succeeded. One that started before the last failure
+        says nothing about the deployment since (a long stream finishing after it went
+        down): it counts in the window, but neither ends a run of failures nor closes it."""
         self.verdicts += 1
         self._record(now, ok=True)
+        if started is not None and started < self._last_failure_at:
+            return
         self._failures_in_a_row = 0
         if self.state != CLOSED:
             log.warning("upstream %s is back (%s)", self.name, self.reason or "probe succeeded")
@@ -102,6 +118,7 @@ class Breaker:
         """A failure that says something about the deployment (not about the request)."""
         self.verdicts += 1
         self._record(now, ok=False)
+        self._last_failure_at = now
         self._failures_in_a_row += 1
         if (
             self.state == HALF_OPEN
@@ -113,6 +130,7 @@ class Breaker:
 
     def take_out(self, now: float, reason: str, seconds: float) -> None:
         self.verdicts += 1
+        self._last_failure_at = now
         if not self.out:
             log.error("upstream %s taken out for %.0f s: %s", self.name, seconds, reason)
         self.out = True
@@ -142,6 +160,7 @@ class Breaker:
         self.open_until = now + seconds
         self.opened = max(self.opened, opened)
         self._failures_in_a_row = 0
+        self._last_failure_at = now  # calls sent before this replica knew do not vouch for it
 
     def adopt_closed(self) -> None:
         """Another replica's probe succeeded: calls go again."""

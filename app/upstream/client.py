@@ -297,18 +297,18 @@ class Upstream:
                 m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
                 m.upstream_routed.labels(route.name, call.stage).inc()
                 verdicts = breaker.verdicts
-                started = time.perf_counter()
+                started, sent_at = time.perf_counter(), self._clock.now()
                 self.reservations_open += 1
                 route.in_flight += 1
                 try:
                     await self._call(route, call, reservation, read_stream, result)
-                    breaker.succeeded(self._clock.now())
+                    breaker.succeeded(self._clock.now(), sent_at)
                 except AttemptFailed as failed:
                     if breaker.verdicts == verdicts:  # the reply's fault, not told to the breaker yet
                         if failed.reason in BROKEN_REPLIES:
                             breaker.failed(self._clock.now(), failed.reason)
                         else:  # it answered (a refusal, a filter, a cap, a 400): it is up
-                            breaker.succeeded(self._clock.now())
+                            breaker.succeeded(self._clock.now(), sent_at)
                     raise
                 finally:
                     route.in_flight -= 1
