@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Breaker:
         self.listener: BreakerListener | None = None
         self._probes = 0  # probes begun: the current one's id
         self._last_failure_at = -math.inf
+        self._open_watchers: set[Callable[[], None]] = set()
 
     def gauge(self) -> int:
         """`ecoscan_upstream_state`: 0 closed, 1 open, 2 half-open, 3 taken out."""
@@ -81,6 +83,19 @@ class Breaker:
             return f"probing ({self.reason})"
         left = max(0.0, self.open_until - now)
         return f"{'out' if self.out else 'open'} for {left:.0f} s more ({self.reason})"
+
+    def watch_open(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when the breaker next opens or is taken out (here or on another
+        replica's word), once; `unwatch_open` when no longer interested."""
+        self._open_watchers.add(callback)
+
+    def unwatch_open(self, callback: Callable[[], None]) -> None:
+        self._open_watchers.discard(callback)
+
+    def _tell_watchers(self) -> None:
+        watchers, self._open_watchers = self._open_watchers, set()
+        for callback in watchers:
+            callback()
 
     def would_probe(self, now: float) -> bool:
         """Would a call now be this deployment's probe?"""
@@ -161,6 +176,7 @@ class Breaker:
         self.opened = max(self.opened, opened)
         self._failures_in_a_row = 0
         self._last_failure_at = now  # calls sent before this replica knew do not vouch for it
+        self._tell_watchers()
 
     def adopt_closed(self) -> None:
         """Another replica's probe succeeded: calls go again."""
@@ -183,6 +199,7 @@ class Breaker:
         self._failures_in_a_row = 0
         if self.listener is not None:
             self.listener.opened(self, seconds)
+        self._tell_watchers()
 
     def _record(self, now: float, *, ok: bool) -> None:
         self._recent.append((now, ok))

@@ -17,6 +17,7 @@ again from the beginning (the consumer is told to drop what it showed: `on_resta
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -67,6 +68,8 @@ STREAM_END_WAIT_S = 0.1
 # A deployment that refuses a key or has no such deployment answers these.
 OUT_STATUSES = (401, 403, 404)
 QUOTA_REASON = "insufficient_quota"
+# A call taken off a deployment whose breaker opened before the call was sent.
+REROUTED = "rerouted"
 REJECTED_KEY_MESSAGE = (
     "The AI service refused this service's credentials, or the deployment does not exist; "
     "the operator must fix the configuration."
@@ -164,6 +167,12 @@ class Upstream:
                 result.upstream = route.name
                 return result
             except AttemptFailed as failed:
+                if failed.reason == REROUTED and detours < len(self.routes):
+                    # Its deployment went down while the call queued: elsewhere, at once.
+                    detours, chosen = detours + 1, None
+                    failed_on.setdefault(route.name, failed.reason)
+                    self._metrics.upstream_failovers.labels(request.stage, REROUTED).inc()
+                    continue
                 if failed.reason != "negotiated":
                     failures += 1
                     failed_on[route.name] = failed.reason
@@ -283,7 +292,7 @@ class Upstream:
                 m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
                 budget_started = time.perf_counter()
                 try:
-                    reservation = await budget.reserve(call.reservation_tokens, deadline=deadline)
+                    reservation = await self._reserve(route, call, deadline, probe)
                 except BudgetDeadlineExceeded:
                     # Not this deployment's fault: another one's budget may take the call in time.
                     wait_s = budget.predicted_wait(call.reservation_tokens)
@@ -322,6 +331,40 @@ class Upstream:
         finally:
             if probe:  # no verdict (cancelled, or never sent): the next call may probe
                 breaker.released(probe)
+
+    async def _reserve(self, route: Route, call: ChatCall, deadline: float, probe: int) -> Reservation:
+        """The call's reservation on `route`'s budget. A call that is not the probe does not
+        go to a deployment whose breaker opened before it was sent (while it queued for the
+        budget, say): it leaves the queue at once and is `REROUTED`, when another
+        deployment can take it."""
+        budget, breaker = route.budget, route.breaker
+        if probe or not self._elsewhere(route):
+            return await budget.reserve(call.reservation_tokens, deadline=deadline)
+        if breaker.state != CLOSED:
+            raise AttemptFailed(UpstreamUnavailable(), retry=True, reason=REROUTED)
+        opened = False
+        try:
+            async with asyncio.timeout(None) as waiting:
+
+                def on_open() -> None:
+                    nonlocal opened
+                    opened = True
+                    waiting.reschedule(asyncio.get_running_loop().time())  # leave the queue now
+
+                breaker.watch_open(on_open)
+                try:
+                    return await budget.reserve(call.reservation_tokens, deadline=deadline)
+                finally:
+                    breaker.unwatch_open(on_open)
+        except TimeoutError:
+            if not opened:
+                raise
+            raise AttemptFailed(UpstreamUnavailable(), retry=True, reason=REROUTED) from None
+
+    def _elsewhere(self, route: Route) -> bool:
+        """Can another deployment take `route`'s stage now?"""
+        now = self._clock.now()
+        return any(r is not route and r.breaker.ready(now) for r in self.router.by_stage.get(route.stage, []))
 
     async def _call(
         self,
