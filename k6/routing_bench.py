@@ -262,9 +262,10 @@ def report(
     outage_started: list[float],
     scrapes: list[dict[str, float]],
 ) -> None:
-    # The steady window ends with the load (not with k6's graceful stop) or at the outage.
+    # Windows end with the load (not with k6's graceful stop); the steady one at the outage.
+    load_s = float(args.duration.rstrip("s"))
     steady_from = t0 + args.warmup
-    steady_to = t0 + (outage_started[0] if outage_started else float(args.duration.rstrip("s")))
+    steady_to = t0 + (outage_started[0] if outage_started else load_s)
     window = steady_to - steady_from
     completed = int(
         psql(
@@ -307,13 +308,13 @@ def report(
         moved_s, burst = traffic_moved(timeline, since)
         dead_total = arrived(last["org-a"]) - requests_at(timeline, "org-a", since)
         moved_at = since + (moved_s or 0.0)
-        after = {n: arrived(last[n]) - requests_at(timeline, n, moved_at) for n in names}
-        outage_window = t1 - (t0 + moved_at)
+        after = {n: requests_at(timeline, n, load_s) - requests_at(timeline, n, moved_at) for n in names}
+        outage_window = load_s - moved_at
         during = int(
             psql(
                 dsn,
                 "SELECT count(*) FROM scans WHERE status = 'completed' AND finished_at >= "
-                f"to_timestamp({t0 + moved_at}) AND finished_at <= to_timestamp({t1})",
+                f"to_timestamp({t0 + moved_at}) AND finished_at <= to_timestamp({t0 + load_s})",
             )
         )
         failed = psql(
@@ -329,9 +330,11 @@ def report(
             + f"; org-a got {burst} calls until then and {dead_total - burst} after (probes)",
             "scans failed since 30 s before the outage: "
             + (", ".join(line.replace("|", " ") for line in failed.split()) or "0"),
-            f"after it moved: {during} completed = {during_rate:.3f} scans/s "
+            f"after it moved ({outage_window:.0f} s): {during} completed = {during_rate:.3f} scans/s "
             f"= {100 * during_rate / remaining_bound:.1f}% of the {remaining_bound:.2f} scans/s left; calls "
-            + ", ".join(f"{n} {after[n]}" for n in names),
+            + ", ".join(f"{n} {after[n]}" for n in names)
+            + f" = {100 * (sum(after.values()) - after['org-a']) / outage_window / (2 * args.rpm / 60):.1f}% "
+            "of the live two's RPMs",
         ]
     lines += [
         "completed per 10 s window: " + " ".join(line.replace("|", ":") for line in per_10s.split()),
