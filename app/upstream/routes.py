@@ -154,6 +154,8 @@ class Router:
                 waits[id(route)] = route.budget.predicted_wait(tokens(route))
             return waits[id(route)]
 
+        if len(fresh) == 1:  # nowhere else to go: no budget to ask (its queue may be long)
+            return fresh[0]
         limit = min(math.inf if within_s is None else within_s, self._spill_after_s)
         best: Route | None = None
         for level in _by_priority(fresh):
