@@ -50,7 +50,11 @@ WORKDIR /srv/ecoscan
 COPY --from=builder /srv/ecoscan/app ./app
 
 USER ecoscan
-ENV EMBEDDED_PG_DIR=/home/ecoscan/.ecoscan/pgdata
+# UVICORN_HTTP is uvicorn's --http read from the environment: a command run in the image
+# without the flag (`docker run … uvicorn app.main:app`) still bounds request heads while
+# reading them and answers malformed HTTP with JSON (app/http/protocol.py).
+ENV EMBEDDED_PG_DIR=/home/ecoscan/.ecoscan/pgdata \
+    UVICORN_HTTP=app.http.protocol:HttpToolsProtocol
 EXPOSE 8000
 # SIGTERM drains: scans in flight finish for up to SHUTDOWN_DRAIN_S (25 s), then the
 # process exits. `docker stop` waits only 10 s before SIGKILL: give it more with

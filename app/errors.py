@@ -390,3 +390,15 @@ class DatabaseError(ScanFailed):
 class InternalError(ScanFailed):
     code = "INTERNAL_ERROR"
     default_message = "Internal error."
+
+
+def retryable_scan_codes() -> frozenset[str]:
+    """The codes of the scan failures a retry may cure: an `Idempotency-Key` whose scan
+    ended with one of them starts a new attempt instead of replaying that end."""
+    found, todo = set(), [ScanFailed]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.retryable:
+            found.add(cls.code)
+    return frozenset(found)

@@ -13,11 +13,12 @@ from typing import Any
 from fastapi import FastAPI
 
 from app.http.errors import install_error_handlers
+from app.http.head_limits import HeadLimits
 from app.http.openapi.document import install_openapi
 from app.http.page import router as page_router
 from app.http.routes import router
 from app.resources import lifespan_resources
-from app.runtime.heap import tuned_heap
+from app.runtime.heap import timed_collections, tuned_heap
 from app.runtime.metrics import Metrics
 from app.scans.drain import SignalRouter
 from app.settings import Settings
@@ -42,7 +43,11 @@ def create_app(
                 log.info("SIGTERM/SIGINT drain in-flight scans for up to %.0f s", settings.shutdown_drain_s)
             log.info("ecoscan ready")
             try:
-                with tuned_heap(settings.gc_young_threshold):  # start-up objects frozen from here
+                with (
+                    # Start-up objects frozen from here; full collections wait out crowds.
+                    tuned_heap(settings.gc_young_threshold, in_flight=resources.admission.in_flight_now),
+                    timed_collections(resources.metrics.observe_gc_pause),
+                ):
                     yield {"resources": resources}
             finally:
                 signals.restore()
@@ -51,7 +56,10 @@ def create_app(
     app.include_router(router)
     app.include_router(page_router)
     install_openapi(app, settings, stages)
-    install_error_handlers(app)
+    install_error_handlers(app, routers=(router, page_router))
+    # Heads over the bounds are refused even when the server was started without
+    # app/http/protocol.py (a bare `uvicorn app.main:app`).
+    app.add_middleware(HeadLimits)
     return app
 
 

@@ -31,6 +31,7 @@ from app.intake.acceptance import ScanAcceptance
 from app.intake.body_reader import BodyBudget, BodyReader
 from app.intake.identity import Authenticator
 from app.intake.parsing import InputLimits
+from app.limits.adaptive import AdaptiveLimit
 from app.limits.admission import Admission
 from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
@@ -38,12 +39,21 @@ from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
 from app.limits.shared_budget import SharedRateBudget, holder_name
 from app.limits.shared_user_caps import SharedUserCaps
+from app.limits.sizing import (
+    ADMISSION_FLOOR,
+    GATE_FLOOR,
+    INITIAL_GATE_LIMIT,
+    PRIOR_LATENCY_S,
+    Sizing,
+)
 from app.limits.stage_gate import StageGate
+from app.runtime.box import BoxLimits, box_limits
 from app.runtime.loop_lag import probe_loop_lag
 from app.runtime.metrics import Metrics
 from app.runtime.redis_link import RedisLink, redact_url
 from app.scans.drain import Drain
 from app.scans.housekeeping import purge_old_scans, sweep_lost_scans
+from app.scans.liveness import Liveness, leased_instances
 from app.scans.mirror import ScanStreams
 from app.scans.pipeline import ScanPipeline
 from app.scans.runner import StageRunner
@@ -63,10 +73,6 @@ from app.upstream.shared_breaker import SharedBreakers
 
 log = logging.getLogger("app")
 
-# Connections to the upstream: one per call in progress, and calls in progress are bounded
-# by the stage gates (VISION_/ANSWER_CONCURRENCY, default 64 each) and far below this;
-# keep-alive reuse matters more than the cap.
-UPSTREAM_MAX_CONNECTIONS = 2048
 UPSTREAM_KEEPALIVE_S = 5.0  # an idle connection is closed after this long
 
 # Each close on the way out (pool, client, listener...) gets this long; the whole exit
@@ -111,21 +117,28 @@ async def lifespan_resources(
     metrics = metrics or Metrics()
     clock = MonotonicClock()
     instance_id = uuid.uuid4()
+    box = box_limits()
     async with AsyncExitStack() as stack:
         dsn = tagged_dsn(await _database(settings, stack), instance_id)
         pool = await _pool(settings, dsn, stack)
         taxonomy = await _catalogue(pool)
         redis = await _redis_link(settings, stack)
-        upstream, base_url, simulator = await _upstream(settings, metrics, clock, redis, stack)
+        upstream, base_url, simulator = await _upstream(settings, metrics, clock, redis, stack, box)
         env = StageEnv(settings, pool, dsn, taxonomy, upstream, metrics, clock, stack)
         built = [await stage.start(env) for stage in stages]  # in order: each may load what it needs
         runner = StageRunner(built, metrics=metrics, clock=clock)
         user_caps = _shared_user_caps(redis, metrics, stack)
         admission = _admission(settings, _budget_look_ahead(built), runner.calls_per_scan, user_caps)
-        cpu = CpuLane(max_workers=settings.cpu_max_workers, queue_limit=settings.cpu_queue_limit)
+        cpu_queue = settings.limit("cpu_queue_limit")
+        cpu = CpuLane(
+            max_workers=settings.cpu_max_workers,
+            queue_limit=cpu_queue.fixed if cpu_queue.fixed is not None else settings.cpu_max_workers,
+        )
         cpu.observers.append(metrics.observe_cpu_job)
         stack.callback(cpu.shutdown)
-        store = await _scan_store(settings, pool, instance_id, metrics, stack)
+        sizing = _sizing(settings, upstream, admission, cpu, metrics, box)
+        _background(stack, sizing.run(), "limit-sizing")
+        store = await _scan_store(settings, pool, instance_id, redis, metrics, stack)
         streams = _scan_streams(settings, redis, metrics, stack)
         pipeline = ScanPipeline(
             runner,
@@ -141,8 +154,10 @@ async def lifespan_resources(
         # drain ran) end with SERVER_SHUTDOWN and record their rows while the pool,
         # the client and the simulator are still open.
         stack.push_async_callback(pipeline.cancel_all)
+        _liveness(settings, redis, store, pipeline, streams, admission, metrics, stack)
         _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
+        _bind_limit_gauges(metrics, sizing, upstream.gates)
         input_limits = _input_limits(settings)
         identity = await _identity(settings, stack)
         acceptance = ScanAcceptance(
@@ -195,13 +210,16 @@ async def _scan_store(
     settings: Settings,
     pool: asyncpg.Pool[asyncpg.Record],
     instance_id: uuid.UUID,
+    redis: RedisLink | None,
     metrics: Metrics,
     stack: AsyncExitStack,
 ) -> ScanStore:
-    """The scans table, and the sweep that records (and counts) scans of dead processes."""
+    """The scans table, and the sweep that records (and counts) scans of dead processes
+    (with Redis, but those of instances in the liveness lease set: takeover's)."""
     store = ScanStore(pool, instance_id=instance_id, timeout_s=settings.db_timeout_s)
     stack.push_async_callback(store.close, CLOSE_TIMEOUT_S)
-    sweep = sweep_lost_scans(store, metrics=metrics, interval_s=LOST_SCAN_SWEEP_S)
+    spared = functools.partial(leased_instances, redis) if redis is not None else None
+    sweep = sweep_lost_scans(store, metrics=metrics, interval_s=LOST_SCAN_SWEEP_S, spared=spared)
     _background(stack, sweep, "lost-scan-sweep")
     purge = purge_old_scans(store, retention_days=settings.scan_retention_days, interval_s=PURGE_INTERVAL_S)
     _background(stack, purge, "scan-purge")
@@ -259,13 +277,19 @@ def _count_redis_call(metrics: Metrics, model: str, op: str, seconds: float) -> 
 
 
 async def _upstream(
-    settings: Settings, metrics: Metrics, clock: Clock, redis: RedisLink | None, stack: AsyncExitStack
+    settings: Settings,
+    metrics: Metrics,
+    clock: Clock,
+    redis: RedisLink | None,
+    stack: AsyncExitStack,
+    box: BoxLimits,
 ) -> tuple[Upstream, str, Any]:
     """Every model call's path: a route per deployment and stage (app/upstream/routes.py),
     one budget per limit group and model, one breaker and connection pool per deployment,
     one gate per stage, the retry policy. Also the first deployment's URL and the
     simulator, when it runs."""
     deployments, simulator = await _deployments(settings, stack)
+    gates = {stage: _gate(settings, stage, box) for stage in ("vision", "answer")}
     budgets: dict[str, RateBudget] = {}
     endpoints: dict[tuple[str, str], ChatEndpoint] = {}
     negotiations: dict[tuple[str, str], Negotiation] = {}
@@ -288,7 +312,9 @@ async def _upstream(
                     provider.auth_headers(d),
                     connect_timeout_s=settings.openai_connect_timeout_s,
                     read_timeout_s=settings.openai_read_timeout_s,  # also the longest gap in a stream
-                    max_connections=UPSTREAM_MAX_CONNECTIONS,
+                    # One connection per call in progress: as many as the gates of the
+                    # stages it serves may ever let through.
+                    max_connections=sum(g.ceiling for s, g in gates.items() if d.model_for(s) == model),
                     keepalive_s=UPSTREAM_KEEPALIVE_S,
                 )
                 stack.push_async_callback(_bounded_close, f"connections to {d.name}", endpoint.aclose)
@@ -307,10 +333,6 @@ async def _upstream(
                     negotiations[(d.name, model)],
                 )
             )
-    gates = {
-        "vision": StageGate("vision", settings.vision_concurrency),
-        "answer": StageGate("answer", settings.answer_concurrency),
-    }
     retry = RetryPolicy(
         max_attempts=settings.retry_max_attempts,
         base_delay_s=settings.retry_base_delay_s,
@@ -345,6 +367,52 @@ def _shared_breakers(
     stack.push_async_callback(_bounded_close, "shared breakers", shared.aclose)
     metrics.breakers_shared.set_function(lambda: 1 if shared.shared else 0)
     return shared
+
+
+def _gate(settings: Settings, stage: str, box: BoxLimits) -> StageGate:
+    """A stage's gate: fixed at `<STAGE>_CONCURRENCY`, or sized (app/limits/sizing.py)."""
+    spec = settings.limit(f"{stage}_concurrency")
+    if spec.fixed is not None:
+        return StageGate(stage, spec.fixed)
+    ceiling = spec.ceiling(box.scans)
+    limiter = AdaptiveLimit(
+        floor=min(GATE_FLOOR, ceiling),
+        ceiling=ceiling,
+        prior_latency_s=PRIOR_LATENCY_S,
+        initial=INITIAL_GATE_LIMIT,
+    )
+    gate = StageGate(stage, limiter.limit)
+    gate.limiter = limiter
+    return gate
+
+
+def _sizing(
+    settings: Settings,
+    upstream: Upstream,
+    admission: Admission,
+    cpu: CpuLane,
+    metrics: Metrics,
+    box: BoxLimits,
+) -> Sizing:
+    """The automatic limits' loop, set once now so the first scans meet sized limits."""
+    gates = upstream.gates
+    sizing = Sizing(
+        gates=gates,
+        gate_limits={stage: gate.limiter for stage, gate in gates.items() if gate.limiter is not None},
+        stage_rate=upstream.call_rate,
+        stage_requests=lambda stage: upstream.requests.get(stage, 0),
+        admission=admission,
+        admission_spec=settings.limit("max_inflight_scans"),
+        admission_ceiling=settings.limit("max_inflight_scans").ceiling(box.scans),
+        max_queue_s=settings.max_budget_wait_s,
+        cpu=cpu,
+        cpu_queue_spec=settings.limit("cpu_queue_limit"),
+        cpu_queue_ceiling=settings.limit("cpu_queue_limit").ceiling(box.scans),
+        on_change=lambda limit, reason: metrics.limit_changes.labels(limit, reason).inc(),
+    )
+    cpu.observers.append(sizing.observe_cpu_job)
+    sizing.step()
+    return sizing
 
 
 async def _deployments(settings: Settings, stack: AsyncExitStack) -> tuple[tuple[Deployment, ...], Any]:
@@ -406,6 +474,36 @@ def _scan_streams(
     return streams
 
 
+def _liveness(
+    settings: Settings,
+    redis: RedisLink | None,
+    store: ScanStore,
+    pipeline: ScanPipeline,
+    streams: ScanStreams | None,
+    admission: Admission,
+    metrics: Metrics,
+    stack: AsyncExitStack,
+) -> None:
+    """This process's liveness lease and the takeover of dead processes' scans
+    (app/scans/liveness.py). Stopped before `pipeline.cancel_all` (pushed earlier), so a
+    draining process takes nothing over; its lease is given back on the way out."""
+    if redis is None or streams is None:
+        return
+    liveness = Liveness(
+        redis,
+        store=store,
+        pipeline=pipeline,
+        streams=streams,
+        admission=admission,
+        metrics=metrics,
+        ttl_s=settings.liveness_ttl_s,
+        renew_s=settings.liveness_renew_s,
+        takeover=settings.takeover,
+    )
+    stack.push_async_callback(_bounded_close, "liveness lease", liveness.close)
+    _background(stack, liveness.run(), "liveness-lease")
+
+
 async def _identity(settings: Settings, stack: AsyncExitStack) -> Authenticator:
     identity = Authenticator(settings)
     stack.push_async_callback(_bounded_close, "JWKS client", identity.aclose)
@@ -439,8 +537,9 @@ def _admission(
     calls_per_scan: int,
     user_caps: SharedUserCaps | None,
 ) -> Admission:
+    spec = settings.limit("max_inflight_scans")
     return Admission(
-        max_inflight=settings.max_inflight_scans,
+        max_inflight=spec.fixed if spec.fixed is not None else ADMISSION_FLOOR,  # sized at once: _sizing
         per_user=settings.max_inflight_per_user,
         wait_s=settings.admission_wait_s,
         max_budget_wait_s=settings.max_budget_wait_s,
@@ -527,9 +626,29 @@ def _bind_gauges(
         metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
     metrics.cpu_queue_depth.set_function(lambda: cpu.waiting)
     metrics.cpu_busy.set_function(lambda: cpu.busy)
+    metrics.cpu_workers.set_function(lambda: cpu.max_workers)
     metrics.reservations_open.set_function(_reader(upstream, "reservations_open"))
     metrics.admission_in_use.set_function(_reader(admission, "in_flight"))
+    metrics.admission_waiting.set_function(_reader(admission, "waiting"))
     metrics.scan_rows_deferred.set_function(_reader(store, "deferred"))
+
+
+def _bind_limit_gauges(metrics: Metrics, sizing: Sizing, gates: Mapping[str, StageGate]) -> None:
+    for name in sizing.limits():
+        metrics.limit.labels(name).set_function(functools.partial(_limit_of, sizing, name))
+    for stage, gate in gates.items():
+        metrics.semaphore_waiting.labels(stage).set_function(_reader(gate, "waiting"))
+        if (limiter := gate.limiter) is not None:
+            for kind in ("latency", "baseline"):
+                metrics.limit_latency.labels(stage, kind).set_function(_reader_or_zero(limiter, f"{kind}_s"))
+
+
+def _limit_of(sizing: Sizing, name: str) -> float:
+    return float(sizing.limits()[name])
+
+
+def _reader_or_zero(obj: object, attribute: str) -> Callable[[], float]:
+    return lambda: float(getattr(obj, attribute) or 0.0)
 
 
 def _background(stack: AsyncExitStack, work: Coroutine[Any, Any, None], name: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from app.limits.sizing import LimitSpec
 from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
 from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
 
@@ -70,11 +71,12 @@ class Settings:
     openai_rpm: int = 500
     openai_tpm: int = 500_000
     rate_burst_fraction: float = 0.1
-    vision_concurrency: int = 64
-    answer_concurrency: int = 64
-    cpu_max_workers: int = field(default_factory=_default_workers)
-    cpu_queue_limit: int = 64
-    max_inflight_scans: int = 256
+    # Limits sized by the process (app/limits/sizing.py): `auto`, `auto:N` (at most N) or N (fixed).
+    vision_concurrency: str | int = "auto"
+    answer_concurrency: str | int = "auto"
+    cpu_max_workers: int = field(default_factory=_default_workers)  # `auto`: one per core
+    cpu_queue_limit: str | int = "auto"
+    max_inflight_scans: str | int = "auto"
     max_inflight_per_user: int = 4
     admission_wait_s: float = 0.5
     max_budget_wait_s: float = 10.0
@@ -89,6 +91,10 @@ class Settings:
     redis_url: str | None = field(default=None, repr=False)
     redis_prefix: str = "ecoscan"
     redis_timeout_s: float = 0.5
+    # Liveness leases and the takeover of a dead process's scans (app/scans/liveness.py).
+    liveness_ttl_s: float = 3.0
+    liveness_renew_s: float = 1.0
+    takeover: bool = True
 
     # --- request and image handling ----------------------------------------------
     image_max_bytes: int = 10 * 1024 * 1024
@@ -147,6 +153,9 @@ class Settings:
                     raise SettingsError(
                         f"{env_name(f.name)} must be {'>= 0' if minimum == 0 else '> 0'}, got {value}"
                     )
+        for name in SIZED_LIMITS:  # a number is fixed: kept as one
+            if (fixed := self.limit(name).fixed) is not None:
+                object.__setattr__(self, name, fixed)
         if self.db_pool_min > self.db_pool_max:
             raise SettingsError("DB_POOL_MIN must not exceed DB_POOL_MAX")
         if self.vision_detail not in ("low", "high", "auto"):
@@ -168,6 +177,14 @@ class Settings:
         if self.openai_api_key is None and self.openai_base_url is not None:
             # A base URL without a key would silently fall back to the simulator.
             raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
+
+    def limit(self, name: str) -> LimitSpec:
+        """One of the `SIZED_LIMITS` as set: sized (`auto`, `auto:N`) or fixed."""
+        value = getattr(self, name)
+        try:
+            return LimitSpec.parse(env_name(name), str(value), minimum=0 if name in _MAY_BE_ZERO else 1)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
 
     def _check_identity(self) -> None:
         """AUTH_*: one mode, one key source, and nothing set that the mode ignores."""
@@ -210,6 +227,11 @@ class Settings:
             raise SettingsError("AUTH_JWKS_URL must use https:// (plain http only to a loopback address)")
 
     def _check_redis(self) -> None:
+        if self.liveness_renew_s >= self.liveness_ttl_s:
+            raise SettingsError(
+                f"LIVENESS_RENEW_S ({self.liveness_renew_s:g}) must be shorter than "
+                f"LIVENESS_TTL_S ({self.liveness_ttl_s:g}): a lease must be renewed before it lapses"
+            )
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise SettingsError("REDIS_URL must start with redis://, rediss:// or unix://")
         if not self.redis_prefix or any(c.isspace() for c in self.redis_prefix):
@@ -276,7 +298,7 @@ class Settings:
                 if raw:
                     raise SettingsError(f"set {env_name(f.name)} or {env_name(f.name)}_FILE, not both")
                 raw = _read_secret_file(env_name(f.name) + "_FILE", env[env_name(f.name) + "_FILE"])
-            if raw is None or raw == "":
+            if raw is None or raw == "" or (f.name in _AUTO_IS_DEFAULT and raw.strip().lower() == "auto"):
                 continue
             values[f.name] = _cast(f.name, raw, _field_type(f))
         values.update(overrides)
@@ -285,6 +307,11 @@ class Settings:
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
 
+
+# Limits the process sizes itself unless they are given a number (app/limits/sizing.py).
+SIZED_LIMITS = ("vision_concurrency", "answer_concurrency", "max_inflight_scans", "cpu_queue_limit")
+# Settings whose default is derived (from the box): `auto` asks for that default.
+_AUTO_IS_DEFAULT = frozenset({"cpu_max_workers"})
 
 # Settings where 0 is meaningful (0 retries, no flush delay, no admission wait...).
 _MAY_BE_ZERO = {

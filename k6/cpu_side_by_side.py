@@ -51,12 +51,27 @@ from sweep.sampler import Sampler
 ROOT = Path(__file__).resolve().parent.parent
 
 SETTINGS = {**RECIPE_SETTINGS, **CACHES_OFF, "OPENAI_RPM": SERVICE_RPM, "OPENAI_TPM": SERVICE_TPM}
+# --defaults: only what the load needs (a budget that never binds, caches off, k6's users
+# each under the per-user cap); every limit at its default, sized by the process.
+DEFAULTS = {
+    **CACHES_OFF,
+    "OPENAI_RPM": SERVICE_RPM,
+    "OPENAI_TPM": SERVICE_TPM,
+    "MAX_INFLIGHT_PER_USER": "100",
+}
 START_TIMEOUT_S = 90.0
 WARMUP = ("2", "5s")  # users, duration: the first scans' one-off costs stay out of the run
 
 
 def service(
-    name: str, checkout: Path, app: str, sim_port: int, database_url: str, logs: Path, procs: list[Proc]
+    name: str,
+    checkout: Path,
+    app: str,
+    sim_port: int,
+    database_url: str,
+    logs: Path,
+    procs: list[Proc],
+    settings: dict[str, str] = SETTINGS,
 ) -> str:
     """Start `checkout`'s `app` (ready when this returns; in `procs` as soon as it runs)."""
     app_dir, _, module = app.rpartition("/")
@@ -71,7 +86,7 @@ def service(
         "DATABASE_URL": database_url,
         "OPENAI_API_KEY": "sim",
         "OPENAI_BASE_URL": f"http://{HOST}:{sim_port}/v1",
-        **SETTINGS,
+        **settings,
     }
     procs.append(proc := start(name, argv, env, logs / f"{name}.log"))
     url = f"http://{HOST}:{port}"
@@ -106,14 +121,17 @@ def completed(before: Samples, after: Samples) -> float | None:
 def one_run(args: argparse.Namespace, k6: str, logs: Path) -> dict[str, float]:
     sim_port = free_port()
     sim_argv = [venv_python(), "-m", "app.sim", "--host", HOST, "--port", str(sim_port)]
-    sim_argv += ["--time-scale", SIM_TIME_SCALE, "--rpm", "0", "--tpm", "0"]
+    sim_argv += ["--time-scale", args.sim_time_scale, "--rpm", "0", "--tpm", "0"]
     sim_argv += ["--latency-sigma", "0", "--text-tokens", ANSWER_TOKENS]
     procs: list[Proc] = []
     try:
         procs.append(sim := start("simulator", sim_argv, dict(os.environ), logs / "sim.log"))
         wait_ready(sim, f"http://{HOST}:{sim_port}/sim/stats", START_TIMEOUT_S)
         # One after the other: each runs the migrations at start-up.
-        this_url = service("this", args.this.resolve(), args.app, sim_port, args.database_url, logs, procs)
+        settings = DEFAULTS if args.defaults else SETTINGS
+        this_url = service(
+            "this", args.this.resolve(), args.app, sim_port, args.database_url, logs, procs, settings
+        )
         other_url = service(
             "other", args.other.resolve(), args.other_app, sim_port, args.database_url, logs, procs
         )
@@ -181,6 +199,16 @@ def main() -> int:
     p.add_argument("--vus", type=int, default=200, help="users in all, half on each")
     p.add_argument("--duration", default="40s", help="k6's duration (40s, 2m)")
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="this checkout at its default limits (sized by itself) instead of the recipe's",
+    )
+    p.add_argument(
+        "--sim-time-scale",
+        default=SIM_TIME_SCALE,
+        help="upstream time per scan: 0.215 is ~1.9 s (the recipe), 1.075 ~9.5 s",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "cpu-side-by-side", help="logs")
     p.add_argument(
         "--database-url",

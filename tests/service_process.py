@@ -63,17 +63,20 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def service_process(env: Mapping[str, str], log_path: Path) -> AsyncIterator[ServiceProcess]:
-    """Start `uvicorn app.main:app`, wait until it answers, and make sure it is gone after."""
+async def service_process(
+    env: Mapping[str, str], log_path: Path, *, our_protocol: bool = True
+) -> AsyncIterator[ServiceProcess]:
+    """Start `uvicorn app.main:app`, wait until it answers, and make sure it is gone after.
+    `our_protocol=False`: the bare command, without `--http` (uvicorn's own httptools)."""
     port = free_port()
+    http = ["--http", "app.http.protocol:HttpToolsProtocol"] if our_protocol else []
     with log_path.open("ab") as log_file:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "uvicorn",
             "app.main:app",
-            "--http",
-            "app.http.protocol:HttpToolsProtocol",
+            *http,
             "--host",
             "127.0.0.1",
             "--port",

@@ -105,3 +105,18 @@ async def test_waiting_is_bounded() -> None:
         await adm.admit("b")
     assert busy.value.retry_after_s >= 1
     assert adm.in_flight == 1 and not adm._waiters
+
+
+async def test_a_ticket_says_how_long_its_scan_queued_for_a_slot() -> None:
+    adm, _ = admission(max_inflight=1, per_user=5, wait_s=5.0)
+    holder = await adm.admit("a")
+    assert holder.waited_s == 0.0
+    queued = asyncio.create_task(adm.admit("b"))
+    await asyncio.sleep(0)
+    assert adm.waiting == 1  # what ecoscan_admission_waiting shows
+    hold_s = 0.05
+    await asyncio.sleep(hold_s)
+    holder.release()
+    ticket = await queued
+    assert ticket.waited_s >= hold_s
+    assert adm.waiting == 0

@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import tracemalloc
+import uuid
 from typing import Any, ClassVar
 
 import asyncpg
@@ -112,6 +113,8 @@ def png_bomb(width: int, height: int) -> bytes:
             "USER_INPUT_TOO_LONG",
         ),
         ({"json": {"image_url": data_url(make_jpeg(1)), "user_input": 7}}, 422, "INVALID_REQUEST"),
+        # The schema says string: null is refused, not read as "no question".
+        ({"json": {"image_url": data_url(make_jpeg(1)), "user_input": None}}, 422, "INVALID_REQUEST"),
         (
             {"content": b"image bytes", "headers": {"content-type": "image/jpeg"}},
             415,
@@ -165,6 +168,24 @@ async def test_unknown_route_and_method_get_json_errors(service: Service) -> Non
     assert missing.status_code == 404 and missing.json()["code"] == "NOT_FOUND"
     wrong = await service.client.get(SCAN_URL)
     assert wrong.status_code == 405 and wrong.json()["code"] == "METHOD_NOT_ALLOWED"
+    assert wrong.headers["allow"] == "POST"
+
+
+async def test_a_wrong_method_names_every_method_the_path_allows(service: Service) -> None:
+    # "categories" is not a scan id: DELETE is a method the categories do not allow.
+    categories = await service.client.delete("/api/v1/scan/categories")
+    assert (categories.status_code, categories.json()["code"]) == (405, "METHOD_NOT_ALLOWED")
+    assert categories.headers["allow"] == "GET"
+    scan = f"/api/v1/scan/{uuid.uuid4()}"
+    for method in ("OPTIONS", "PUT", "PATCH", "POST"):
+        response = await service.client.request(method, scan)
+        assert (response.status_code, response.json()["code"]) == (405, "METHOD_NOT_ALLOWED"), method
+        assert response.headers["allow"] == "DELETE, GET", method
+    events = await service.client.delete(f"{scan}/events")
+    assert (events.status_code, events.headers["allow"]) == (405, "GET")
+    # Any other segment is still read as a scan id, unknown like any other.
+    unknown = await service.client.delete("/api/v1/scan/categoriesX")
+    assert (unknown.status_code, unknown.json()["code"]) == (404, "SCAN_NOT_FOUND")
 
 
 async def test_png_with_transparency_and_gif_are_accepted(service: Service) -> None:

@@ -5,9 +5,11 @@ the interpreter's settings back once the last app has left."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import weakref
 
+from app.runtime import heap
 from app.runtime.heap import tuned_heap
 
 
@@ -21,7 +23,7 @@ async def test_nested_apps_tune_the_collector_once_and_the_last_one_restores_it(
     assert gc.get_freeze_count() == 0
     with tuned_heap(12_345):
         frozen = gc.get_freeze_count()
-        assert frozen > 0 and gc.get_threshold() == (12_345, *before[1:])
+        assert frozen > 0 and gc.get_threshold() == (12_345, 1, heap.NEVER)
         with tuned_heap(54_321):  # a second app in the process: the first one's settings hold
             assert gc.get_threshold()[0] == 12_345 and gc.get_freeze_count() == frozen
         assert gc.get_threshold()[0] == 12_345 and gc.get_freeze_count() == frozen
@@ -40,3 +42,36 @@ async def test_a_reference_cycle_is_freed_by_the_periodic_collection() -> None:
         assert gone() is not None  # reference counts alone never free a cycle
         async with asyncio.timeout(10):
             await freed.wait()
+
+
+async def test_a_full_collection_waits_out_a_crowd_but_not_forever() -> None:
+    """A due full collection is put off while the scans in flight would make it pause too
+    long (learned from the last one), and runs once the crowd thins or the wait is over."""
+    crowd = [0]
+    with tuned_heap(10**9, in_flight=lambda: crowd[0], collect_every_s=0.05, max_defer_s=0.6):
+        assert gc.get_threshold()[1:] == (1, heap.NEVER)  # no automatic full collection
+        await asyncio.sleep(0.2)  # a full collection or more: its pause per scan is known
+        tuning = heap._tuned[0]
+        tuning._pause_per_scan_s = heap.FULL_PAUSE_BUDGET_S / 100  # as if the last one took that long
+        crowd[0] = 1000  # the next would hold the loop ~10 x the budget
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        freed = asyncio.Event()
+        gone = weakref.ref(a, lambda _: freed.set())
+        del a, b
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await freed.wait()
+        assert gone() is not None, "collected despite the crowd"
+        async with asyncio.timeout(5):  # the crowd stays, but the wait is bounded
+            await freed.wait()
+        b2 = Node()
+        b2.other = Node()
+        b2.other.other = b2
+        freed2 = asyncio.Event()
+        gone2 = weakref.ref(b2, lambda _: freed2.set())
+        del b2
+        crowd[0] = 0  # the crowd thins: the next due collection runs at once
+        async with asyncio.timeout(1):
+            await freed2.wait()
+        assert gone2() is None

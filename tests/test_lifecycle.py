@@ -138,6 +138,11 @@ async def test_global_cap_refuses_with_503_and_retry_after(database_url: str, si
             await run_scan(svc.client, json={"image_url": data_url(make_jpeg(2))})
         ).terminal.event == "done"
         assert svc.metric("ecoscan_admission_rejected_total", {"reason": "SERVER_BUSY"}) == 1
+        # The admitted scans' waits (not the refused one's) and the lane's width: what
+        # k6/sweep's queue split and slots read.
+        assert svc.metric("ecoscan_admission_wait_seconds_count") == 2
+        assert svc.metric("ecoscan_admission_waiting") == 0
+        assert svc.metric("ecoscan_cpu_workers") == settings.cpu_max_workers
 
 
 async def test_per_user_cap_refuses_with_429(database_url: str, sim: RunningSimulator) -> None:

@@ -3,10 +3,16 @@ shared, per-user caps count both, and Redis going away never stops either."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from pathlib import Path
+
+import httpx
 import pytest
 
 from app.sim.server import RunningSimulator
 from tests.conftest import (
+    SCAN_URL,
     data_url,
     eventually,
     make_jpeg,
@@ -16,7 +22,10 @@ from tests.conftest import (
     sim_configure,
 )
 from tests.redis_server import RedisServer
+from tests.service_process import ServiceProcess, service_env, service_process
 from tests.test_lifecycle import stalled_scan
+
+BURST_TIMEOUT_S = 30.0
 
 
 async def test_scans_complete_on_a_shared_budget(
@@ -79,3 +88,64 @@ async def test_redis_away_never_stops_a_replica(
         )
         outcome = await run_scan(svc.client, json={"image_url": data_url(make_jpeg(6))})
         assert outcome.terminal.event == "done"
+
+
+async def burst_admissions(replicas: list[ServiceProcess], user: str, per_replica: int) -> list[int]:
+    """Start `per_replica` scans for one user on each replica at once and return their
+    statuses. Accepted scans are held open (the simulator stalls them) until every answer
+    is in, so the number accepted is the number running at once."""
+    all_answered = asyncio.Event()
+    statuses: list[int] = []
+    expected = len(replicas) * per_replica
+
+    async def one(client: httpx.AsyncClient, seed: int) -> None:
+        body = {"image_url": data_url(make_jpeg(seed))}
+        async with client.stream("POST", SCAN_URL, json=body, headers={"X-User-ID": user}) as response:
+            statuses.append(response.status_code)
+            if len(statuses) == expected:
+                all_answered.set()
+            if response.status_code == 200:
+                await all_answered.wait()
+
+    async with contextlib.AsyncExitStack() as stack, asyncio.timeout(BURST_TIMEOUT_S):
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=r.url, timeout=BURST_TIMEOUT_S))
+            for r in replicas
+        ]
+        await asyncio.gather(
+            *(one(client, 40 + 10 * n + i) for n, client in enumerate(clients) for i in range(per_replica))
+        )
+    return statuses
+
+
+@pytest.mark.timeout(180)
+async def test_the_per_user_cap_holds_right_after_redis_restarts(
+    database_url: str, sim: RunningSimulator, own_redis: RedisServer, tmp_path: Path
+) -> None:
+    """A restart leaves every pooled connection dead: the first command on each must not
+    send its replica to counting its own scans only (2 x the cap across two replicas)."""
+    cap = 2
+    env = service_env(
+        database_url, sim, REDIS_URL=own_redis.url, REDIS_PREFIX="restart", MAX_INFLIGHT_PER_USER=str(cap)
+    )
+    async with (
+        service_process(env, tmp_path / "a.log") as a,
+        service_process(env, tmp_path / "b.log") as b,
+    ):
+        # Warm both replicas' pools with several connections (admissions, event mirroring).
+        async with (
+            httpx.AsyncClient(base_url=a.url, timeout=BURST_TIMEOUT_S) as to_a,
+            httpx.AsyncClient(base_url=b.url, timeout=BURST_TIMEOUT_S) as to_b,
+        ):
+            warm = [
+                run_scan(
+                    client, json={"image_url": data_url(make_jpeg(seed))}, headers={"X-User-ID": f"w{seed}"}
+                )
+                for seed, client in enumerate([to_a, to_b] * 3)
+            ]
+            assert [o.terminal.event for o in await asyncio.gather(*warm)] == ["done"] * 6
+        await sim_configure(sim, stall_rate=1.0, stall_s=10.0)
+        await asyncio.to_thread(own_redis.stop)
+        await asyncio.to_thread(own_redis.start)
+        statuses = await burst_admissions([a, b], "burst", per_replica=2 * cap)
+        assert sorted(statuses) == [200] * cap + [429] * (3 * cap), statuses

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -157,6 +158,36 @@ async def test_an_idempotent_post_twice_is_one_scan_replayed(
     assert count == 1
 
 
+async def test_a_key_whose_scan_ended_retryably_starts_a_linked_new_attempt(
+    service: Service, sim: RunningSimulator, db: asyncpg.Connection
+) -> None:
+    request = {
+        "json": {"image_url": data_url(make_jpeg(335))},
+        "headers": {"X-User-ID": "unlucky", "Idempotency-Key": "k-335"},
+    }
+    await sim_configure(sim, outage="503")
+    failed = await run_scan(service.client, **request)
+    assert failed.terminal.event == "error" and failed.terminal.data["retryable"] is True
+    await sim_configure(sim, outage="none")
+    retried = await run_scan(service.client, **request)
+    old_id, new_id = failed.headers["x-scan-id"], retried.headers["x-scan-id"]
+    assert new_id != old_id and retried.headers["x-retry-of"] == old_id
+    assert "idempotent-replayed" not in retried.headers
+    assert retried.terminal.event == "done"
+    status = await service.client.get(f"/api/v1/scan/{new_id}", headers={"X-User-ID": "unlucky"})
+    assert status.json()["retry_of"] == old_id
+    # The completed attempt pins the key now: the same POST replays it.
+    again = await run_scan(service.client, **request)
+    assert again.headers["x-scan-id"] == new_id and again.headers["idempotent-replayed"] == "true"
+    rows = await db.fetch(
+        "SELECT id::text, status, retry_of::text, idempotency_key FROM scans WHERE id = ANY($1::uuid[])",
+        [old_id, new_id],
+    )
+    by_id = {r["id"]: r for r in rows}
+    assert (by_id[old_id]["status"], by_id[old_id]["idempotency_key"]) == ("failed", None)
+    assert (by_id[new_id]["retry_of"], by_id[new_id]["idempotency_key"]) == (old_id, "k-335")
+
+
 async def test_five_concurrent_duplicates_make_one_scan(
     service: Service, sim: RunningSimulator, db: asyncpg.Connection
 ) -> None:
@@ -292,6 +323,24 @@ async def test_with_jwt_identity_only_the_tokens_subject_owns_its_scans(
         assert (refused.status, refused.body["code"]) == (401, "UNAUTHENTICATED")
 
 
+async def raw_get(service: Service, path: str, headers: dict[str, str | bytes]) -> bytes:
+    """A GET sent byte for byte, with `Connection: close`; the whole answer as received."""
+    host, port = service.url.removeprefix("http://").split(":")
+    fields = b"".join(
+        name.encode() + b": " + (value if isinstance(value, bytes) else value.encode()) + b"\r\n"
+        for name, value in headers.items()
+    )
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"GET " + path.encode() + b" HTTP/1.1\r\nHost: t\r\nConnection: close\r\n" + fields + b"\r\n"
+        )
+        async with asyncio.timeout(30):
+            return await reader.read(-1)
+    finally:
+        writer.close()
+
+
 async def test_positions_at_or_past_the_end_and_odd_positions(
     service: Service, db: asyncpg.Connection
 ) -> None:
@@ -304,7 +353,14 @@ async def test_positions_at_or_past_the_end_and_odd_positions(
             scan_url(job_id, "/events"), headers={**user, "Last-Event-ID": position}
         )
         assert response.status_code == 204, position
-    for odd in ("²", "-1", "1.5", "9" * 12):
+    # Whitespace around the header's value is not part of it: "3\t" is position 3 (sent
+    # over a raw socket: httpx refuses to send such a header).
+    event_ids = [int(n) for n in range(4, int(last) + 1)]
+    for padded in (b"3\t", b"3 \t"):
+        answer = await raw_get(service, scan_url(job_id, "/events"), {**user, "Last-Event-ID": padded})
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        assert [int(n) for n in re.findall(rb"(?m)^id: (\d+)\r?$", answer)] == event_ids, padded
+    for odd in ("²", "-1", "1.5", "9" * 12, "3 4"):
         response = await service.client.get(scan_url(job_id, "/events"), params={"after": odd}, headers=user)
         assert (response.status_code, response.json()["code"]) == (422, "INVALID_REQUEST"), odd
     # A scan whose process was lost has a row but no stored log: 410, its status still readable.

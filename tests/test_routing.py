@@ -20,6 +20,7 @@ from .conftest import (
     ScanOutcome,
     Service,
     data_url,
+    eventually,
     make_jpeg,
     run_scan,
     running_service,
@@ -224,24 +225,31 @@ async def test_a_priority_whose_budget_is_spent_spills_to_the_next(
 async def test_calls_queued_for_a_deployment_that_goes_down_go_elsewhere_at_once(
     database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The primary admits 6 calls at once, then one a second: of 10 scans' vision calls, 6
-    # go, 4 queue for its budget. Its key is refused: the first 401 takes it out, and the
-    # queued calls leave the queue for the standby instead of reaching it one a second.
+    # The primary admits 6 calls at once, then one a second. Its upstream holds the first 6
+    # unanswered while the next ones queue for its budget; then it answers 503s: those 6
+    # open its breaker, and the queued calls leave the queue for the standby at once
+    # instead of going to the dead primary one a second.
     async with simulators(2) as (a, b):
-        keyless = {**deployment("primary", a, rpm=60), "provider": "compatible"}
-        del keyless["api_key_env"]  # the simulator answers 401 without a key
-        listed = [keyless, deployment("standby", b, priority=1)]
+        listed = [deployment("primary", a, rpm=60), deployment("standby", b, priority=1)]
         async with routed_service(database_url, sim, monkeypatch, listed) as svc:
-            started = asyncio.get_running_loop().time()
-            outcomes = await scans(svc, 10)
-            took = asyncio.get_running_loop().time() - started
+            await sim_configure(a, outage="hang")
+            running = asyncio.ensure_future(scans(svc, 10))
+            queued = {"model": "primary/gpt-4o-mini"}
+
+            async def held_and_queued() -> bool:
+                held = (await sim_stats(a))["held"]
+                return held >= 6 and (svc.metric("ecoscan_budget_waiters", queued) or 0) >= 1
+
+            assert await eventually(held_and_queued, attempts=500, interval=0.01)
+            await sim_configure(a, outage="503")
+            outcomes = await running
             moved = {"stage": "vision", "reason": "rerouted"}
             rerouted = svc.metric("ecoscan_upstream_failovers_total", moved)
-            reached = (await sim_stats(a))["requests_total"]
+            stats = await sim_stats(a)
     assert [o.terminal.event for o in outcomes] == ["done"] * 10
-    assert reached <= 6, reached  # only what was sent before it was out
+    # The 6 held, and at most one the budget admitted while the test switched the outage.
+    assert stats["requests_total"] + stats["outage_requests_total"] <= 7, stats
     assert rerouted and rerouted >= 1
-    assert took < 3.5  # the queued four did not wait out the primary's refill
 
 
 async def test_with_every_route_down_the_scan_ends_with_a_wait(

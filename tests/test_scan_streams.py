@@ -78,8 +78,9 @@ async def stream_length(link: RedisLink, key: str) -> int:
     return int(await link.client.xlen(key))
 
 
-async def still_running() -> bool:
-    return True
+async def running(position: int, progress: int) -> list[LogEntry] | None:
+    """What a follower hears from a row that still says `running`."""
+    return None
 
 
 async def collect(entries: AsyncIterator[LogEntry] | None) -> list[LogEntry]:
@@ -102,8 +103,8 @@ async def test_a_mirrored_log_is_followed_back_with_the_same_events(
     ttl_running = await link.client.pttl(key)
     assert 300_000 < ttl_running <= 360_000  # SCAN_DEADLINE_S + STREAM_TTL_PAST_DEADLINE_S
 
-    from_start = asyncio.create_task(collect(await streams.follow(scan_id, 0, still_running=still_running)))
-    from_three = asyncio.create_task(collect(await streams.follow(scan_id, 3, still_running=still_running)))
+    from_start = asyncio.create_task(collect(await streams.follow(scan_id, 0, ended_after=running)))
+    from_three = asyncio.create_task(collect(await streams.follow(scan_id, 3, ended_after=running)))
     finish(events)
     job_id = str(scan_id)
     assert wire(job_id, await from_start) == wire(job_id, events.entries)
@@ -111,12 +112,12 @@ async def test_a_mirrored_log_is_followed_back_with_the_same_events(
     # ...and the same as the stored log replayed (what the database path sends).
     assert wire(job_id, EventLog.from_json(events.to_json()).entries) == wire(job_id, events.entries)
     assert 0 < await link.client.pttl(key) <= 60_000  # STREAM_KEPT_AFTER_END_S once it ended
-    assert await streams.follow(scan_id, 6, still_running=still_running) is None  # past the end: 204
+    assert await streams.follow(scan_id, 6, ended_after=running) is None  # past the end: 204
 
 
 async def test_no_stream_or_a_trimmed_one_is_refused(link: RedisLink, streams: ScanStreams) -> None:
     with pytest.raises(ScanRunningElsewhere):
-        await streams.follow(uuid.uuid4(), 0, still_running=still_running)
+        await streams.follow(uuid.uuid4(), 0, ended_after=running)
     scan_id, events = uuid.uuid4(), EventLog()
     streams.mirror(scan_id, events)
     a_scan(events)
@@ -124,8 +125,8 @@ async def test_no_stream_or_a_trimmed_one_is_refused(link: RedisLink, streams: S
     assert await eventually(lambda: _has(link, key, 5))
     await link.client.xtrim(key, minid="3-0", approximate=False)  # as MAXLEN would: entries 1 and 2 are gone
     with pytest.raises(ScanRunningElsewhere):
-        await streams.follow(scan_id, 1, still_running=still_running)
-    follow = await streams.follow(scan_id, 2, still_running=lambda: _false())
+        await streams.follow(scan_id, 1, ended_after=running)
+    follow = await streams.follow(scan_id, 2, ended_after=running)
     finish(events)
     assert [e.seq for e in await collect(follow)] == [3, 4, 5, 6]
 
@@ -157,7 +158,7 @@ async def test_the_mirror_catches_up_once_redis_is_back(own_redis: RedisServer) 
         finish(events)  # written with everything before it, at the next retry
         key = mirror.events_key(scan_id)
         assert await eventually(lambda: _has(link, key, 6), attempts=100, interval=0.05)
-        entries = await collect(await mirror.follow(scan_id, 0, still_running=still_running))
+        entries = await collect(await mirror.follow(scan_id, 0, ended_after=running))
         assert wire(str(scan_id), entries) == wire(str(scan_id), events.entries)
         assert _sample(metrics, "ecoscan_scan_stream_events_mirrored_total") == 6
     finally:
@@ -171,10 +172,6 @@ async def _has(link: RedisLink, key: str, count: int) -> bool:
 
 async def _gone(link: RedisLink, key: str) -> bool:
     return not await link.client.exists(key)
-
-
-async def _false() -> bool:
-    return False
 
 
 def _sample(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -> float:

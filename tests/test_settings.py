@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -117,3 +118,22 @@ def test_secret_files_are_checked(tmp_path: Path) -> None:
     # Only secrets have a _FILE form: anything else is not read from a file.
     (tmp_path / "rpm").write_text("7")
     assert Settings.from_env({"OPENAI_RPM_FILE": str(tmp_path / "rpm")}).openai_rpm == Settings().openai_rpm
+
+
+def test_sized_limits_read_auto_caps_and_numbers() -> None:
+    s = Settings.from_env({})
+    assert (s.vision_concurrency, s.answer_concurrency, s.max_inflight_scans, s.cpu_queue_limit) == (
+        "auto",
+    ) * 4
+    s = Settings.from_env(
+        {"VISION_CONCURRENCY": "auto:300", "ANSWER_CONCURRENCY": "48", "CPU_MAX_WORKERS": "auto"}
+    )
+    assert s.limit("vision_concurrency").cap == 300 and s.answer_concurrency == 48
+    assert s.cpu_max_workers == (os.cpu_count() or 1)
+    for name, bad in (
+        ("MAX_INFLIGHT_SCANS", "0"),
+        ("VISION_CONCURRENCY", "lots"),
+        ("ANSWER_CONCURRENCY", "auto:"),
+    ):
+        with pytest.raises(SettingsError, match=name):
+            Settings.from_env({name: bad})

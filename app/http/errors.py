@@ -5,28 +5,32 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIRouter
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
+from starlette.types import Scope
 
 from app.errors import ClientDisconnected, EcoscanError, Overloaded
 
 log = logging.getLogger("app")
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, routers: Sequence[APIRouter] = ()) -> None:
+    """`routers`: the app's routers, whose methods a 405's `Allow` lists."""
+
     async def ecoscan(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, EcoscanError)
         return ecoscan_error(request, exc)
 
-    async def http(_request: Request, exc: Exception) -> JSONResponse:
+    async def http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
-        return http_error(exc)
+        return http_error(exc, request.scope, routers)
 
     async def validation(_request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": "The request is invalid.", "code": "INVALID_REQUEST"}, status_code=422)
@@ -89,7 +93,23 @@ def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "Internal error.", "code": "INTERNAL_ERROR"}, status_code=500)
 
 
-def http_error(exc: HTTPException) -> JSONResponse:
+def http_error(exc: HTTPException, scope: Scope, routers: Sequence[APIRouter] = ()) -> JSONResponse:
     code = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}.get(exc.status_code, "HTTP_ERROR")
     body = {"detail": exc.detail, "code": code}
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405 and (allowed := allowed_methods(scope, routers)):
+        headers["Allow"] = ", ".join(allowed)
+    return JSONResponse(body, status_code=exc.status_code, headers=headers)
+
+
+def allowed_methods(scope: Scope, routers: Sequence[APIRouter]) -> list[str]:
+    """Every method routed at the request's path. Starlette's 405 names only the first
+    route whose path matched (`GET` for /api/v1/scan/{job_id}, where `DELETE` is routed
+    too); RFC 9110 wants them all in `Allow`."""
+    probe = {**scope, "method": ""}  # a path match, whatever the method
+    methods: set[str] = set()
+    for router in routers:
+        for route in router.routes:
+            if isinstance(route, APIRoute) and route.matches(dict(probe))[0] is not Match.NONE:
+                methods.update(route.methods or ())
+    return sorted(methods)

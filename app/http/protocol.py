@@ -9,8 +9,10 @@
   `{"detail", "code"}` shape as every other error, with code `BAD_HTTP_REQUEST`.
 
 Use it with `uvicorn app.main:app --http app.http.protocol:HttpToolsProtocol` (what
-`make run`, the Dockerfile and the tests do). Plain `uvicorn app.main:app` works too,
-with uvicorn's plain-text 400s and no head bound.
+`make run` and the tests do), or with `UVICORN_HTTP=app.http.protocol:HttpToolsProtocol`
+in the environment (what the image sets, so a bare command run in it has it too). A bare
+`uvicorn app.main:app` elsewhere still refuses big heads, once parsed
+(app/http/head_limits.py), but answers malformed HTTP with uvicorn's plain-text 400s.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _UvicornHttpToolsProtocol
 
-# Browsers send 1-4 KiB of headers; common servers refuse at 8-16 KiB (nginx's large
-# buffers default to 4 x 8 KiB). 16 KiB leaves room for long cookies or tokens.
-MAX_REQUEST_HEAD_BYTES = 16 * 1024
+from app.http.head_limits import MAX_REQUEST_HEAD_BYTES
+
+__all__ = ["MAX_REQUEST_HEAD_BYTES", "HttpToolsProtocol"]
 
 
 class HttpToolsProtocol(_UvicornHttpToolsProtocol):

@@ -11,6 +11,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import EventSourceResponse
+from starlette.convertors import Convertor, register_url_convertor
 
 from app.db.pool import DB_ERRORS
 from app.errors import InvalidRequest, ScanNotFound, Unauthorized
@@ -26,6 +27,25 @@ router = APIRouter(route_class=JsonErrorRoute)
 # Readiness probes time out at 1-2 s by default (Kubernetes: 1 s): answer within that.
 READY_TIMEOUT_S = 1.0
 SCAN_PATH = "/api/v1/scan/classify/completion"
+CATEGORIES = "categories"
+
+
+class _ScanIdConvertor(Convertor[str]):
+    """A scan id segment: anything but the name of a sibling resource. Without it,
+    `DELETE /api/v1/scan/categories` is a cancel of the scan "categories" (404) instead
+    of a method the categories do not allow (405). Ids that are not UUIDs still reach
+    the routes, which answer them SCAN_NOT_FOUND like an unknown scan."""
+
+    regex = f"(?!{CATEGORIES}$)[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("scan_id", _ScanIdConvertor())
 
 
 def resources(request: Request) -> Resources:
@@ -48,12 +68,14 @@ async def classify_completion(request: Request) -> Response:
     accepted = await r.acceptance.accept(request)
     if isinstance(accepted, RepeatedScan):
         return await r.access.replay(accepted.scan_id, headers={"Idempotent-Replayed": "true"})
-    headers = {"X-Scan-Token": accepted.token} if accepted.token else None
+    headers = {"X-Scan-Token": accepted.token} if accepted.token else {}
+    if (retry_of := accepted.run.scan.retry_of) is not None:
+        headers["X-Retry-Of"] = str(retry_of)
     return scan_response(accepted.run, r.metrics, ping_s=r.settings.sse_ping_s, headers=headers)
 
 
 @router.get(
-    "/api/v1/scan/categories",
+    f"/api/v1/scan/{CATEGORIES}",
     operation_id="list_categories",
     tags=["scan"],
     summary="The taxonomy: categories, known items, situation tags",
@@ -64,7 +86,7 @@ async def categories(request: Request) -> Response:
 
 
 @router.get(
-    "/api/v1/scan/{job_id}",
+    "/api/v1/scan/{job_id:scan_id}",
     operation_id="get_scan",
     tags=["scan"],
     summary="A scan's status and result",
@@ -78,7 +100,7 @@ async def get_scan(request: Request, job_id: str) -> Response:
 
 
 @router.get(
-    "/api/v1/scan/{job_id}/events",
+    "/api/v1/scan/{job_id:scan_id}/events",
     operation_id="get_scan_events",
     tags=["scan"],
     summary="A scan's events from Last-Event-ID (or ?after=) on, then live",
@@ -94,7 +116,7 @@ async def get_scan_events(request: Request, job_id: str) -> Response:
 
 
 @router.delete(
-    "/api/v1/scan/{job_id}",
+    "/api/v1/scan/{job_id:scan_id}",
     operation_id="cancel_scan",
     tags=["scan"],
     summary="Cancel a running scan",
@@ -136,6 +158,7 @@ def _scan_id(job_id: str) -> uuid.UUID:
 
 def _after(request: Request) -> int:
     raw = request.query_params.get("after") or request.headers.get("last-event-id") or "0"
+    raw = raw.strip(" \t")  # optional whitespace around a header value is not part of it (RFC 9110)
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
         raise InvalidRequest("Last-Event-ID / after must be a non-negative integer (an event's id).")
     return int(raw)

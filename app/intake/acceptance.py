@@ -6,7 +6,10 @@ refusal is an `EcoscanError`, rendered before any stream starts.
 
 `Idempotency-Key`: the same caller and key within `IDEMPOTENCY_TTL_S` names the same
 scan; a retried POST gets that scan's stream (replayed from the start, then live)
-instead of a second scan, and the same key with another body is refused. Concurrent
+instead of a second scan, and the same key with another body is refused. A scan that
+ended with a retryable error (`PROCESS_LOST`, `SERVER_SHUTDOWN`, an exhausted upstream)
+does not pin its key: the same key starts a new attempt, whose row names the old one
+(`retry_of`). Concurrent
 duplicates race on a unique index, not on a check-then-insert.
 """
 
@@ -129,9 +132,12 @@ class ScanAcceptance:
         pending: asyncio.Future[tuple[uuid.UUID, str]] = asyncio.get_running_loop().create_future()
         self._claims[(claim.scope, claim.key)] = pending
         try:
-            if (repeated := await self._repeated(claim)) is not None:
-                return RepeatedScan(repeated, caller)
-            new = await self._start(caller, claim, scan_input, prepare_s, received_at)
+            retry_of = None
+            if (taken := await self._taken(claim)) is not None:
+                if not taken.ended_retryably:
+                    return RepeatedScan(_same_request(taken, claim), caller)
+                retry_of = _same_request(taken, claim)  # the key starts a new attempt
+            new = await self._start(caller, claim, scan_input, prepare_s, received_at, retry_of)
             pending.set_result((new.run.scan.id, claim.request_sha256))
             return new
         except KeyTaken as taken:  # a duplicate on another replica inserted first
@@ -148,25 +154,27 @@ class ScanAcceptance:
         scan_input: ScanInput,
         prepare_s: float,
         received_at: float,
+        retry_of: uuid.UUID | None = None,
     ) -> NewScan:
         ticket = await self._admit(caller.rate_key)
         try:
             token = secrets.token_urlsafe(24) if caller.user_id is None else None
-            scan_id = await self._record(caller.user_id, scan_input, claim, token)
+            scan_id = await self._record(caller.user_id, scan_input, claim, token, retry_of)
         except BaseException:
             ticket.release()
             raise
         timings = {"prepare_ms": round(prepare_s * 1000, 1)}
-        scan = AcceptedScan(scan_id, caller.user_id, scan_input, ticket, received_at, timings)
+        scan = AcceptedScan(
+            scan_id, caller.user_id, scan_input, ticket, received_at, timings, retry_of=retry_of
+        )
         run = self._pipeline.start(scan, token_sha256=token_hash(token) if token else None)
         return NewScan(run, caller, token)
 
-    async def _repeated(self, claim: IdempotencyClaim) -> uuid.UUID | None:
+    async def _taken(self, claim: IdempotencyClaim) -> KeyTaken | None:
         try:
-            taken = await self._store.find_key(claim, ttl_s=self._idempotency_ttl_s)
+            return await self._store.find_key(claim, ttl_s=self._idempotency_ttl_s)
         except DatabaseError:
             raise DatabaseUnavailable() from None
-        return _same_request(taken, claim) if taken else None
 
     async def _prepare(self, body: BufferedBody, content_type: str) -> tuple[ScanInput, float]:
         """Parse, decode and resize in the CPU lane (a small body whose image needs only a
@@ -184,13 +192,20 @@ class ScanAcceptance:
 
     async def _admit(self, user_key: str) -> Ticket:
         try:
-            return await self._admission.admit(user_key)
+            ticket = await self._admission.admit(user_key)
         except Exception as exc:
             self._metrics.admission_rejected.labels(getattr(exc, "code", "error")).inc()
             raise
+        self._metrics.admission_wait.observe(ticket.waited_s)
+        return ticket
 
     async def _record(
-        self, user_id: str | None, scan_input: ScanInput, claim: IdempotencyClaim | None, token: str | None
+        self,
+        user_id: str | None,
+        scan_input: ScanInput,
+        claim: IdempotencyClaim | None,
+        token: str | None,
+        retry_of: uuid.UUID | None,
     ) -> uuid.UUID:
         scan_id = uuid.uuid4()
         try:
@@ -202,6 +217,7 @@ class ScanAcceptance:
                 user_input=scan_input.user_input,
                 claim=claim,
                 token_sha256=token_hash(token) if token else None,
+                retry_of=retry_of,
             )
         except DatabaseError:
             raise DatabaseUnavailable() from None

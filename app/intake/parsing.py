@@ -129,6 +129,9 @@ def _from_json(body: bytes | bytearray, limits: InputLimits, inline: bool) -> Sc
         raise InvalidRequest("The body is not valid JSON.") from None
     if not isinstance(payload, dict):
         raise InvalidRequest("The JSON body must be an object.")
+    if "user_input" in payload and payload["user_input"] is None:
+        # The document says string: null is a client's bug, not a way to say "none".
+        raise InvalidRequest("user_input must be a string (leave it out to send none).")
     user_input = _user_input(payload.get("user_input"), limits)
     url = payload.get("image_url")
     if url is None or url == "":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -30,12 +31,15 @@ from app.limits.shared_user_caps import SharedUserCaps
 
 
 class Ticket:
-    __slots__ = ("_admission", "_released", "global_slot", "owed", "user_key")
+    __slots__ = ("_admission", "_released", "global_slot", "owed", "user_key", "waited_s")
 
-    def __init__(self, admission: Admission, user_key: str, global_slot: str | None) -> None:
+    def __init__(
+        self, admission: Admission, user_key: str, global_slot: str | None, waited_s: float = 0.0
+    ) -> None:
         self._admission = admission
         self.user_key = user_key
         self.global_slot = global_slot  # the user's slot in Redis, when caps are shared
+        self.waited_s = waited_s  # how long the scan queued for a global slot
         self.owed = admission.calls_per_scan
         self._released = False
 
@@ -75,6 +79,7 @@ class Admission:
         self._user_caps = user_caps  # REDIS_URL: the per-user cap counts every replica's scans
         self.in_flight = 0
         self.owed_calls = 0  # upstream calls admitted scans will still make
+        self.admitted = 0  # scans admitted since start
         self.per_user_in_flight: dict[str, int] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         # Exponentially weighted mean scan duration: sizes Retry-After for SERVER_BUSY.
@@ -86,10 +91,13 @@ class Admission:
         budget_wait = self._predicted_budget_wait(self.owed_calls)
         if budget_wait > self.max_budget_wait_s:
             raise UpstreamBudgetExhausted(retry_after_s=max(1.0, budget_wait - self.max_budget_wait_s))
+        waited_s = 0.0
         if self.in_flight < self.max_inflight and not self._waiters:
             self.in_flight += 1
         else:
+            queued_at = time.perf_counter()
             await self._wait_for_slot()
+            waited_s = time.perf_counter() - queued_at
         # Re-check the user: they may have started another scan while we waited.
         if self.per_user_in_flight.get(user_key, 0) >= self.per_user:
             self._release_slot()
@@ -97,7 +105,25 @@ class Admission:
         self.per_user_in_flight[user_key] = self.per_user_in_flight.get(user_key, 0) + 1
         global_slot = await self._take_global_slot(user_key)
         self.owed_calls += self.calls_per_scan
-        return Ticket(self, user_key, global_slot)
+        self.admitted += 1
+        return Ticket(self, user_key, global_slot, waited_s)
+
+    @property
+    def waiting(self) -> int:
+        """Scans queued for a slot now."""
+        return len(self._waiters)
+
+    def adopt(self, user_key: str) -> Ticket:
+        """A ticket for a scan another process accepted and died with (app/scans/liveness.py).
+        No check refuses it: it was admitted once, its calls were budgeted for then, and its
+        demand left with its owner; refusing it now would only waste what it already paid
+        for. It holds a slot like any scan, past the cap if need be (the cap is back once
+        it ends)."""
+        self.in_flight += 1
+        self.per_user_in_flight[user_key] = self.per_user_in_flight.get(user_key, 0) + 1
+        self.owed_calls += self.calls_per_scan
+        self.admitted += 1
+        return Ticket(self, user_key, None)
 
     async def _take_global_slot(self, user_key: str) -> str | None:
         """The user's slot across replicas (None: caps are not shared, or Redis failed
@@ -137,12 +163,25 @@ class Admission:
                 raise ServerBusy(retry_after_s=self._retry_after_busy()) from None
             raise
 
-    def _release_slot(self) -> None:
-        while self._waiters:
+    def in_flight_now(self) -> int:
+        return self.in_flight
+
+    def resize(self, max_inflight: int) -> None:
+        """A new global cap: a rise admits waiters at once; a fall takes effect as scans end."""
+        self.max_inflight = max_inflight
+        while self._waiters and self.in_flight < self.max_inflight:
             waiter = self._waiters.popleft()
             if not waiter.done():
+                self.in_flight += 1
                 waiter.set_result(None)
-                return
+
+    def _release_slot(self) -> None:
+        if self.in_flight <= self.max_inflight:  # over the cap after a fall: the slot goes
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
         self.in_flight -= 1
 
     def _release(self, user_key: str, global_slot: str | None) -> None:

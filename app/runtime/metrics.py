@@ -6,6 +6,10 @@ Stage time is split in two: `ecoscan_stage_queue_seconds` is time spent waiting
 (for a stage semaphore, the rate budget or the CPU lane) and
 `ecoscan_stage_service_seconds` is time spent working. They answer different
 questions: the first says a limit is too tight, the second that the work is slow.
+With `ecoscan_admission_wait_seconds` (waiting for a slot before the stream starts)
+they are every wait a scan can have, and each limit's size and use is a gauge beside
+it (`ecoscan_limit`, `ecoscan_cpu_workers`; `*_in_use`/`*_busy_workers`;
+`*_waiting`/`*_queue_depth`): k6/sweep reads them to say which limit held the scans.
 """
 
 from __future__ import annotations
@@ -97,6 +101,13 @@ class Metrics:
         self.scans_lost = Counter(
             "ecoscan_scans_lost_total",
             "Scans of dead processes (SIGKILL, OOM, lost host) this process's sweep marked PROCESS_LOST.",
+            registry=r,
+        )
+        self.scans_taken_over = Counter(
+            "ecoscan_scans_taken_over_total",
+            "Running scans of a dead process (its liveness lease lapsed) this process claimed: "
+            "resumed here, or ended at once as PROCESS_LOST (lost).",
+            ["outcome"],
             registry=r,
         )
         self.scans_in_flight = Gauge(
@@ -261,6 +272,31 @@ class Metrics:
         self.semaphore_in_use = Gauge(
             "ecoscan_stage_semaphore_in_use", "Stage semaphore slots held.", ["stage"], registry=r
         )
+        self.semaphore_waiting = Gauge(
+            "ecoscan_stage_semaphore_waiting",
+            "Calls queued for a stage semaphore slot.",
+            ["stage"],
+            registry=r,
+        )
+        self.limit = Gauge(
+            "ecoscan_limit",
+            "Each limit in force now: vision_gate, answer_gate (calls in progress), admission (scans in"
+            " flight), cpu_queue (CPU-lane jobs waiting).",
+            ["limit"],
+            registry=r,
+        )
+        self.limit_changes = Counter(
+            "ecoscan_limit_changes_total",
+            "Moves of an automatic limit, by why: grow, steady, little, gradient, backoff, floor, ceiling.",
+            ["limit", "reason"],
+            registry=r,
+        )
+        self.limit_latency = Gauge(
+            "ecoscan_limit_latency_seconds",
+            "A stage's call latency as its automatic gate sees it: recent, and baseline (no load).",
+            ["stage", "kind"],
+            registry=r,
+        )
 
     def _declare_shared_budget_metrics(self) -> None:
         """The budget shared through Redis (REDIS_URL): whether it is, this process's share
@@ -315,6 +351,9 @@ class Metrics:
             "ecoscan_cpu_queue_depth", "CPU-lane jobs waiting for a worker.", registry=r
         )
         self.cpu_busy = Gauge("ecoscan_cpu_busy_workers", "CPU-lane workers busy.", registry=r)
+        self.cpu_workers = Gauge(
+            "ecoscan_cpu_workers", "CPU-lane worker threads (CPU_MAX_WORKERS as in effect).", registry=r
+        )
         self.cpu_job = Histogram(
             "ecoscan_cpu_job_seconds",
             "CPU-lane jobs: phase=queue (waiting for a worker) or run.",
@@ -328,6 +367,13 @@ class Metrics:
             buckets=FAST_BUCKETS,
             registry=r,
         )
+        self.gc_pause = Histogram(
+            "ecoscan_gc_pause_seconds",
+            "Garbage collections and how long each held the loop, by generation (2: a full one).",
+            ["generation"],
+            buckets=FAST_BUCKETS,
+            registry=r,
+        )
         self.loop_lag_max = Gauge(
             "ecoscan_event_loop_lag_max_seconds", "Largest loop lag seen since start.", registry=r
         )
@@ -337,6 +383,15 @@ class Metrics:
         r = self.registry
         self.admission_in_use = Gauge(
             "ecoscan_admission_slots_in_use", "Admission slots held by scans (global cap).", registry=r
+        )
+        self.admission_waiting = Gauge(
+            "ecoscan_admission_waiting", "Scans waiting for an admission slot.", registry=r
+        )
+        self.admission_wait = Histogram(
+            "ecoscan_admission_wait_seconds",
+            "Time an admitted scan waited for an admission slot (0 when one was free).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.scan_rows_deferred = Gauge(
             "ecoscan_scan_rows_deferred",
@@ -381,6 +436,9 @@ class Metrics:
             ["cache"],
             registry=r,
         )
+
+    def observe_gc_pause(self, generation: int, seconds: float) -> None:
+        self.gc_pause.labels(str(generation)).observe(seconds)
 
     def observe_cpu_job(self, queue_s: float, run_s: float) -> None:
         self.cpu_job.labels("queue").observe(queue_s)

@@ -8,6 +8,15 @@ several deployments can share one server.
 Every command is bounded by `REDIS_TIMEOUT_S` (connect and read). Redis is never a
 reason to stop serving: each user of the link has its own fallback for when a call
 fails, and says so in its metrics and in one log line per outage, not per call.
+
+A restarted Redis leaves every pooled connection dead. So that the first command after
+the return does not fail (and send its caller to its fallback, where per-user caps count
+one replica only), a connection is checked when taken from the pool and a command that
+still meets a closed connection is sent once more on a fresh one (`connection_options`).
+Only a connection error is retried, never a timeout: a hung Redis must not double its
+wait. A command whose connection broke after Redis ran it may run twice; every command
+we send is safe to repeat (slot members and stream ids are unique, a lease granted
+twice is only a lease the holder never uses).
 """
 
 from __future__ import annotations
@@ -16,9 +25,13 @@ import logging
 from typing import Any
 
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
 
-__all__ = ["RedisError", "RedisLink", "redact_url"]
+__all__ = ["RedisError", "RedisLink", "connection_options", "redact_url"]
 
 log = logging.getLogger("ecoscan.redis")
 
@@ -41,8 +54,7 @@ class RedisLink:
             max_connections=MAX_CONNECTIONS,
             timeout=timeout_s,
             socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            health_check_interval=30,
+            **connection_options(timeout_s),
         )
         self.client: redis.Redis = redis.Redis.from_pool(pool)
 
@@ -65,6 +77,23 @@ class RedisLink:
 
     def __repr__(self) -> str:
         return f"RedisLink({redact_url(self.url)!r}, prefix={self.prefix!r})"
+
+
+def connection_options(timeout_s: float) -> dict[str, Any]:
+    """What every client of ours passes its pool: the retry after a restart, and no
+    maintenance notifications.
+
+    redis-py's default ("auto") skips the pool's check of a connection the server closed
+    (so a restart is met by a command, not by the check), asks every new connection for
+    notifications with one more round trip, and would relax timeouts to 10 s during a
+    maintenance: none of which a service bounded by `REDIS_TIMEOUT_S` wants.
+    """
+    return {
+        "socket_connect_timeout": timeout_s,
+        "health_check_interval": 30,
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+    }
 
 
 def redact_url(url: str) -> str:

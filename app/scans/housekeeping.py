@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections.abc import Awaitable, Callable
 
 from app.errors import DatabaseError
 from app.runtime.metrics import Metrics
@@ -22,15 +24,23 @@ log = logging.getLogger(__name__)
 RESTART_GRACE_S = 30.0
 
 
-async def sweep_lost_scans(store: ScanStore, *, metrics: Metrics, interval_s: float) -> None:
+async def sweep_lost_scans(
+    store: ScanStore,
+    *,
+    metrics: Metrics,
+    interval_s: float,
+    spared: Callable[[], Awaitable[list[uuid.UUID]]] | None = None,
+) -> None:
     """Sweep now and every `interval_s`; each row swept counts in `ecoscan_scans_lost_total`
     (a scan lost with its process, which no other metric records: the process that ran it
-    is gone, and the sweeping one never ran it)."""
+    is gone, and the sweeping one never ran it). `spared` names the instances whose scans
+    are takeover's (app/scans/liveness.py: they hold, or lately held, a liveness lease)."""
     first = True
     database_was_down = False
     while True:
         try:
-            lost = await store.sweep_lost(restart_grace_s=RESTART_GRACE_S)
+            spare = await spared() if spared is not None else []
+            lost = await store.sweep_lost(restart_grace_s=RESTART_GRACE_S, spared=spare)
         except DatabaseError:
             if not database_was_down:
                 log.warning("lost-scan sweep: database unavailable; will retry")

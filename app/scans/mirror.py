@@ -42,7 +42,7 @@ import redis.asyncio as redis
 
 from app.errors import ScanRunningElsewhere
 from app.runtime.metrics import Metrics
-from app.runtime.redis_link import RedisError, RedisLink
+from app.runtime.redis_link import RedisError, RedisLink, connection_options
 from app.scans.events import EventLog, LogEntry, RecordedEvent
 
 log = logging.getLogger(__name__)
@@ -67,19 +67,22 @@ FOLLOW_MAX_CONNECTIONS = 256
 # and a slow send.
 FOLLOWER_LEASE_BLOCKS = 3
 
-# KEYS: one stream per scan. ARGV: MAXLEN, then per key: expiry (ms), n, n x (seq, entry).
-# Entries at or below what a stream holds are skipped (a flush retried after a lost
-# reply). Returns per key the last seq its stream holds, or -1 if it could not be read.
+# KEYS: per scan, its stream and its input's key. ARGV: MAXLEN, then per scan: expiry
+# (ms), its input (the JSON to keep, '-' to drop it: the scan ended, '' to keep what is
+# there), n, n x (seq, entry). Entries at or below what a stream holds are skipped (a
+# flush retried after a lost reply). Returns per scan the last seq its stream holds, or
+# -1 if it could not be read.
 _APPEND = """
 local maxlen, i, tops = ARGV[1], 2, {}
-for k, key in ipairs(KEYS) do
-  local ttl, n = ARGV[i], tonumber(ARGV[i + 1])
+for k = 1, #KEYS, 2 do
+  local key, input_key = KEYS[k], KEYS[k + 1]
+  local ttl, input, n = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   local top = redis.pcall('XREVRANGE', key, '+', '-', 'COUNT', 1)
   local last = -1
   if type(top) == 'table' and not top['err'] then
     last = 0
     if #top > 0 then last = tonumber(string.match(top[1][1], '^%d+')) end
-    for j = i + 2, i + 2 * n, 2 do
+    for j = i + 3, i + 1 + 2 * n, 2 do
       local seq = tonumber(ARGV[j])
       if seq > last then
         redis.call('XADD', key, 'MAXLEN', '~', maxlen, ARGV[j] .. '-0', 'e', ARGV[j + 1])
@@ -87,13 +90,25 @@ for k, key in ipairs(KEYS) do
       end
     end
     redis.call('PEXPIRE', key, ttl)
+    if input == '-' then
+      redis.call('DEL', input_key)
+    elseif input ~= '' then
+      redis.call('SET', input_key, input, 'PX', ttl)
+    else
+      redis.call('PEXPIRE', input_key, ttl)
+    end
   end
-  tops[k] = last
-  i = i + 2 + 2 * n
+  tops[#tops + 1] = last
+  i = i + 3 + 2 * n
 end
 return tops
 """
 
+
+# Asked by a follower after an idle block, with its position and progress: None while
+# the scan's row is `running`; else the row's entries after that position, its terminal
+# one last (app/streaming/access.py).
+Ending = Callable[[int, int], Awaitable[list[LogEntry] | None]]
 
 _NOT_FOLLOWABLE = (
     "The scan runs on another replica and cannot be followed from here right now; "
@@ -106,9 +121,12 @@ class _Mirror:
     """One scan's log and how much of it its stream holds."""
 
     key: str
+    input_key: str
     log: EventLog
     written: int = 0
     ended_at: float | None = None  # loop time the terminal entry was seen
+    # What another replica needs to take the scan over (app/scans/liveness.py), until sent.
+    scan_input: bytes | None = None
 
     def unwritten(self, limit: int) -> list[LogEntry]:
         return self.log.entries[self.written : self.written + limit]
@@ -127,8 +145,8 @@ class ScanStreams:
         self._blocking: redis.Redis = redis.Redis.from_url(
             link.url,
             socket_timeout=block_s + link.timeout_s,
-            socket_connect_timeout=link.timeout_s,
             max_connections=FOLLOW_MAX_CONNECTIONS,
+            **connection_options(link.timeout_s),  # a restarted Redis: one retry, on a fresh connection
         )
         self._watchers: dict[asyncio.Task[None], _Mirror] = {}
         self._pending: dict[str, _Mirror] = {}
@@ -140,16 +158,25 @@ class ScanStreams:
     def events_key(self, scan_id: uuid.UUID) -> str:
         return self._link.key("scan", str(scan_id), "events")
 
+    def input_key(self, scan_id: uuid.UUID) -> str:
+        return self._link.key("scan", str(scan_id), "input")
+
     def _lease_key(self, scan_id: uuid.UUID) -> str:
         return self._link.key("scan", str(scan_id), "followed")
 
     # --- writing ------------------------------------------------------------------
 
-    def mirror(self, scan_id: uuid.UUID, events: EventLog) -> None:
-        """Mirror `events` (from its first entry to its terminal one) to the scan's stream."""
+    def mirror(
+        self, scan_id: uuid.UUID, events: EventLog, *, scan_input: bytes | None = None, written: int = 0
+    ) -> None:
+        """Mirror `events` (from entry `written + 1` to its terminal one) to the scan's
+        stream, and keep `scan_input` beside it while the scan runs."""
         if self._writer is None:
             self._writer = asyncio.create_task(self._write_forever(), name="scan-streams-writer")
-        mirror = _Mirror(self.events_key(scan_id), events)
+        mirror = _Mirror(self.events_key(scan_id), self.input_key(scan_id), events, written, None, scan_input)
+        if scan_input is not None or written < len(events.entries):
+            self._pending[mirror.key] = mirror
+            self._wake.set()
         watcher = asyncio.create_task(self._watch(mirror), name=f"scan-stream-{scan_id}")
         self._watchers[watcher] = mirror
         watcher.add_done_callback(self._watchers.pop)
@@ -177,18 +204,23 @@ class ScanStreams:
     async def _flush(self) -> bool:
         """One script call for what the pending scans have not written (up to
         `FLUSH_MAX_ENTRIES`); False if Redis failed."""
-        batch, keys, args = [], [], [STREAM_MAX_EVENTS]
+        batch, keys = [], []
+        args: list[Any] = [STREAM_MAX_EVENTS]
         room = FLUSH_MAX_ENTRIES
         for mirror in list(self._pending.values()):
             entries = mirror.unwritten(room)
+            if not entries and mirror.scan_input is not None and mirror.log.entries:
+                entries = mirror.log.entries[-1:]  # the input goes with an entry (seq-idempotent)
             if not entries:  # marked again after a flush that had already taken its entry
                 del self._pending[mirror.key]
                 continue
             room -= len(entries)
             batch.append(mirror)
-            keys.append(mirror.key)
-            ttl_s = STREAM_KEPT_AFTER_END_S if entries[-1].event.terminal else self._running_ttl_s
-            args += [int(ttl_s * 1000), len(entries), *_flatten(entries)]
+            keys += [mirror.key, mirror.input_key]
+            ended = entries[-1].event.terminal
+            ttl_s = STREAM_KEPT_AFTER_END_S if ended else self._running_ttl_s
+            scan_input = b"-" if ended else (mirror.scan_input or b"")
+            args += [int(ttl_s * 1000), scan_input, len(entries), *_flatten(entries)]
             if room == 0:
                 break
         try:
@@ -204,6 +236,8 @@ class ScanStreams:
         for mirror, top in zip(batch, tops, strict=True):
             self._metrics.stream_events_mirrored.inc(max(0, top - mirror.written))
             mirror.written = max(mirror.written, top)
+            if top >= 0:
+                mirror.scan_input = None
             if mirror.written >= len(mirror.log.entries):
                 self._pending.pop(mirror.key, None)
             else:
@@ -254,13 +288,23 @@ class ScanStreams:
         except (RedisError, OSError):
             return False
 
+    async def recorded(self, scan_id: uuid.UUID) -> tuple[list[LogEntry], bytes | None]:
+        """What a scan's owner left here: its mirrored entries and the input it kept
+        (app/scans/liveness.py takes a dead owner's scans over from them)."""
+        async with self._link.client.pipeline(transaction=False) as pipe:
+            pipe.xrange(self.events_key(scan_id), count=STREAM_MAX_EVENTS)
+            pipe.get(self.input_key(scan_id))
+            found, scan_input = await pipe.execute()
+        return _entries(found), scan_input
+
     async def follow(
-        self, scan_id: uuid.UUID, after: int, *, still_running: Callable[[], Awaitable[bool]]
+        self, scan_id: uuid.UUID, after: int, *, ended_after: Ending
     ) -> AsyncIterator[LogEntry] | None:
         """The scan's entries after `after`, live until its terminal one; None when the
         stream ended at or before `after` (204). `ScanRunningElsewhere` (409) when the
-        stream cannot serve the position. `still_running` is asked after an idle block:
-        a scan whose process died leaves a stream that never ends."""
+        stream cannot serve the position. `ended_after` is asked after an idle block: a
+        scan whose row ended without its end reaching the stream (a sweep) ends the
+        follow with the row's terminal entry."""
         key = self.events_key(scan_id)
         try:
             first, last = await self._probe(key, after)
@@ -275,7 +319,7 @@ class ScanStreams:
             self._metrics.stream_follows.labels("refused").inc()
             raise ScanRunningElsewhere(_NOT_FOLLOWABLE)
         self._metrics.stream_follows.labels("served").inc()
-        return self._follow(scan_id, first, after, still_running)
+        return self._follow(scan_id, first, after, ended_after)
 
     async def _probe(self, key: str, after: int) -> tuple[list[LogEntry], LogEntry | None]:
         """What follows `after`, and the stream's last entry (None: no stream), at once."""
@@ -290,15 +334,16 @@ class ScanStreams:
         scan_id: uuid.UUID,
         entries: list[LogEntry],
         position: int,
-        still_running: Callable[[], Awaitable[bool]],
+        ended_after: Ending,
     ) -> AsyncIterator[LogEntry]:
         key, lease = self.events_key(scan_id), self._lease_key(scan_id)
         loop = asyncio.get_running_loop()
         give_up_at, renewed_at = loop.time() + self._running_ttl_s, -self._block_s
+        progress = 0
         try:
             while True:
                 for entry in entries:
-                    position = entry.seq
+                    position, progress = entry.seq, entry.progress
                     yield entry
                     if entry.event.terminal:
                         return
@@ -306,8 +351,15 @@ class ScanStreams:
                     await self._link.client.set(lease, b"1", px=self._lease_ms)
                     renewed_at = loop.time()
                 entries = await self._read_after(key, position)
-                if not entries and (loop.time() > give_up_at or not await still_running()):
-                    return  # ended without a terminal entry here: the database has it
+                if entries:
+                    continue
+                if loop.time() > give_up_at:
+                    return
+                ended = await ended_after(position, progress)
+                if ended is not None:  # the row ended without its end reaching the stream
+                    entries = ended
+                    if not entries:
+                        return
         except (RedisError, OSError) as exc:
             self._metrics.stream_follows.labels("cut").inc()
             self._follow_failed(exc)

@@ -19,7 +19,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from app.errors import (
     ClientDisconnected,
@@ -34,6 +35,7 @@ from app.limits.clock import Clock
 from app.runtime.metrics import Metrics
 from app.scans.events import AnswerDelta, EventLog, LogEntry, ScanDone, ScanErrored, TextDiscarded
 from app.scans.finished import FinishedScans
+from app.scans.handover import Handover, Recovered, recover
 from app.scans.mirror import ScanStreams
 from app.scans.run import ScanRun
 from app.scans.runner import ScanProgress, StageRunner
@@ -81,13 +83,41 @@ class ScanPipeline:
         self._row_writes: set[asyncio.Task[None]] = set()
 
     def start(self, scan: AcceptedScan, *, token_sha256: str | None = None) -> ScanRun:
+        run = self._new_run(scan, token_sha256)
+        if self._streams is not None:
+            handover = Handover.of(scan, token_sha256=token_sha256, deadline_s=self._scan_deadline_s)
+            self._streams.mirror(scan.id, run.log, scan_input=handover.encode())
+        return self._launch(run, self._run(run))
+
+    def adopt(
+        self,
+        scan: AcceptedScan,
+        entries: list[LogEntry],
+        *,
+        deadline_s: float,
+        token_sha256: str | None,
+        lost: EcoscanError | None = None,
+    ) -> ScanRun:
+        """Run on a scan whose process died (app/scans/liveness.py), from its mirrored
+        `entries`: the stages it completed are not run again, `seq` goes on from the last
+        entry, and it ends within `deadline_s`. With `lost`, it ends at once with it."""
+        run = self._new_run(scan, token_sha256)
+        for entry in entries:
+            run.log.publish(entry)
+        if self._streams is not None:
+            self._streams.mirror(scan.id, run.log, written=len(entries))
+        recovered = recover(run.log, self._runner.stages)
+        return self._launch(run, self._run(run, recovered=recovered, deadline_s=deadline_s, lost=lost))
+
+    def _new_run(self, scan: AcceptedScan, token_sha256: str | None) -> ScanRun:
         followed = functools.partial(self._streams.followed_elsewhere, scan.id) if self._streams else None
-        run = ScanRun(
+        return ScanRun(
             scan, grace_s=self._disconnect_grace_s, token_sha256=token_sha256, followed_elsewhere=followed
         )
-        if self._streams is not None:
-            self._streams.mirror(scan.id, run.log)
-        run.task = task = asyncio.create_task(self._run(run), name=f"scan-{scan.id}")
+
+    def _launch(self, run: ScanRun, work: Coroutine[Any, Any, None]) -> ScanRun:
+        scan = run.scan
+        run.task = task = asyncio.create_task(work, name=f"scan-{scan.id}")
         self.running[task] = run
         self.runs[scan.id] = run
         task.add_done_callback(self._forget)
@@ -125,10 +155,20 @@ class ScanPipeline:
         if self._row_writes:  # rows still being written by scans cancelled mid-write (each bounded)
             await asyncio.wait(list(self._row_writes))
 
-    async def _run(self, run: ScanRun) -> None:
+    async def _run(
+        self,
+        run: ScanRun,
+        *,
+        recovered: Recovered | None = None,
+        deadline_s: float | None = None,
+        lost: EcoscanError | None = None,
+    ) -> None:
         scan, events = run.scan, run.log
-        progress = ScanProgress(self._runner.stages[0].name, dict(scan.timings), {})
-        deadline = self._clock.now() + self._scan_deadline_s
+        if recovered is None:
+            progress = ScanProgress(self._runner.stages[0].name, dict(scan.timings), {})
+        else:
+            progress = ScanProgress(recovered.step, {**scan.timings, **recovered.timings}, recovered.result)
+        deadline = self._clock.now() + (self._scan_deadline_s if deadline_s is None else deadline_s)
         started = time.perf_counter()
         self._metrics.scans_in_flight.inc()
         outcome = "failed"
@@ -136,7 +176,9 @@ class ScanPipeline:
             run.started = True
             if run.cancel_requested:
                 raise asyncio.CancelledError()
-            await self._stages(scan, events, progress, deadline)
+            if lost is not None:
+                raise lost
+            await self._stages(scan, events, progress, deadline, recovered)
             done, stored_log = await self._commit_completed(scan, events, progress, deadline)
             run.ended("completed", stored_log)
             events.publish(done)
@@ -157,7 +199,12 @@ class ScanPipeline:
                 self._on_finished(elapsed)
 
     async def _stages(
-        self, scan: AcceptedScan, events: EventLog, progress: ScanProgress, deadline: float
+        self,
+        scan: AcceptedScan,
+        events: EventLog,
+        progress: ScanProgress,
+        deadline: float,
+        recovered: Recovered | None = None,
     ) -> None:
         async def delta(text: str) -> None:
             # Text the running stage streams: its progress creeps up, short of its completion.
@@ -169,7 +216,16 @@ class ScanPipeline:
             events.append(TextDiscarded(progress.step))
 
         ctx = ScanContext(scan, safety_identifier(scan.user_id), delta, discard)
+        if recovered is not None:  # taken over: what the dead owner completed stands
+            ctx.results.update(recovered.results)
+            scan.ticket.calls_started(
+                sum(s.upstream_calls for s in self._runner.stages if not recovered.runs(s))
+            )
+            if recovered.text_void:
+                await discard()
         for stage in self._runner.stages:
+            if recovered is not None and not recovered.runs(stage):
+                continue
             if self._clock.now() >= deadline:
                 raise ScanDeadlineExceeded()
             await self._runner.run(stage, ctx, events, progress, deadline)

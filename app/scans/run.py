@@ -67,6 +67,7 @@ class ScanRun:
             finished_at=self.finished_at,
             event_log=self.stored_log,
             token_sha256=self.token_sha256,
+            retry_of=self.scan.retry_of,
         )
 
     @property

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -26,17 +27,25 @@ from typing import Any
 import asyncpg
 
 from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX
-from app.errors import DatabaseError, ProcessLost
+from app.errors import DatabaseError, ProcessLost, retryable_scan_codes
 
 log = logging.getLogger(__name__)
 
 _INSERT = """
     INSERT INTO scans (id, user_id, status, image_source, image_sha256, user_input, instance_id,
-                       idempotency_scope, idempotency_key, request_sha256, token_sha256)
-    VALUES ($1, $2, 'running', $3, $4, $5, $6, $7, $8, $9, $10)"""
+                       idempotency_scope, idempotency_key, request_sha256, token_sha256, retry_of)
+    VALUES ($1, $2, 'running', $3, $4, $5, $6, $7, $8, $9, $10, $11)"""
+
+# A retry takes the key from the scan it retries, which must have ended (retryably: the
+# caller checked); a concurrent retry that took it first leaves nothing to take here, and
+# its new row then wins the unique index.
+_RELEASE_KEY = """
+    UPDATE scans SET idempotency_key = NULL
+    WHERE id = $1 AND idempotency_scope = $2 AND idempotency_key = $3 AND status <> 'running'"""
 
 _LOAD = """
-    SELECT id, user_id, status, created_at, finished_at, event_log, token_sha256
+    SELECT id, user_id, status, created_at, finished_at, event_log, token_sha256, retry_of,
+           instance_id, error_step, error_code, error_message
     FROM scans WHERE id = $1"""
 
 # A key is reusable once its scan is older than the TTL: the old row lets go of it.
@@ -46,7 +55,8 @@ _EXPIRE_KEY = """
       AND created_at < now() - make_interval(secs => $3)"""
 
 _FIND_KEY = """
-    SELECT id, request_sha256 FROM scans WHERE idempotency_scope = $1 AND idempotency_key = $2"""
+    SELECT id, request_sha256, status, error_code
+    FROM scans WHERE idempotency_scope = $1 AND idempotency_key = $2"""
 
 _PURGE = """
     DELETE FROM scans WHERE id IN (
@@ -73,7 +83,30 @@ _SWEEP = f"""
             WHERE application_name LIKE '{INSTANCE_TAG_PREFIX}%'))
       AND (created_at > pg_postmaster_start_time()
            OR now() - pg_postmaster_start_time() > make_interval(secs => $4))
+      AND (instance_id IS NULL OR NOT instance_id::text = ANY(string_to_array($5, ',')))
     RETURNING id"""
+
+_NO_CONNECTION = f"""
+    '{INSTANCE_TAG_PREFIX}' || $2::text NOT IN (
+        SELECT application_name FROM pg_stat_activity
+        WHERE application_name LIKE '{INSTANCE_TAG_PREFIX}%')"""
+
+# Takeover (app/scans/liveness.py): the running scans of a dead instance become this
+# one's. The instance column decides: of replicas claiming at once, each row goes to one
+# (SKIP LOCKED spreads them; the outer WHERE re-checks after a wait). Its lease lapsed
+# in Redis *and* it holds no connection here: two witnesses, so a live process cut off
+# from Redis alone never has its scans run twice.
+_CLAIM = f"""
+    UPDATE scans SET instance_id = $1
+    WHERE id IN (
+        SELECT id FROM scans WHERE status = 'running' AND instance_id = $2 AND {_NO_CONNECTION}
+        ORDER BY created_at LIMIT $3 FOR UPDATE SKIP LOCKED)
+      AND status = 'running' AND instance_id = $2
+    RETURNING id, user_id, created_at, token_sha256"""
+
+_RUNS_ANY = "SELECT EXISTS (SELECT 1 FROM scans WHERE status = 'running' AND instance_id = $1)"
+
+RETRYABLE_CODES = retryable_scan_codes()
 
 # Deferred terminal writes: first retry soon, then back off to a steady pace.
 DEFER_FIRST_RETRY_S = 0.5
@@ -115,6 +148,11 @@ class StoredScan:
     finished_at: datetime | None
     event_log: str | None
     token_sha256: str | None
+    retry_of: uuid.UUID | None = None  # the attempt this one retries (same Idempotency-Key)
+    instance_id: uuid.UUID | None = None  # the process that runs (ran) it
+    error_step: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,12 +165,26 @@ class IdempotencyClaim:
 
 
 class KeyTaken(Exception):
-    """The idempotency key already names a scan (`scan_id`)."""
+    """The idempotency key already names a scan (`scan_id`), which is `status` now (its
+    `error_code` if it failed)."""
 
-    def __init__(self, scan_id: uuid.UUID, request_sha256: str | None) -> None:
+    def __init__(
+        self,
+        scan_id: uuid.UUID,
+        request_sha256: str | None,
+        status: str = "running",
+        error_code: str | None = None,
+    ) -> None:
         super().__init__(str(scan_id))
         self.scan_id = scan_id
         self.request_sha256 = request_sha256
+        self.status = status
+        self.error_code = error_code
+
+    @property
+    def ended_retryably(self) -> bool:
+        """Its scan ended with an error a retry may cure: the key starts a new attempt."""
+        return self.status in ("failed", "cancelled") and self.error_code in RETRYABLE_CODES
 
 
 class ScanStore:
@@ -160,9 +212,11 @@ class ScanStore:
         user_input: str | None,
         claim: IdempotencyClaim | None = None,
         token_sha256: str | None = None,
+        retry_of: uuid.UUID | None = None,
     ) -> None:
         """Insert the `running` row; `KeyTaken` if `claim`'s key names another scan
-        (the unique index decides, so concurrent duplicates cannot both insert)."""
+        (the unique index decides, so concurrent duplicates cannot both insert). With
+        `retry_of`, the key is first taken from that ended scan, in one transaction."""
         key = (claim.scope, claim.key, claim.request_sha256) if claim else (None, None, None)
         args = (
             scan_id,
@@ -173,9 +227,13 @@ class ScanStore:
             self.instance_id,
             *key,
             token_sha256,
+            retry_of,
         )
         try:
-            await self._execute(_INSERT, *args)
+            if retry_of is None or claim is None:
+                await self._execute(_INSERT, *args)
+            else:
+                await self._retry(retry_of, claim, args)
         except DatabaseError as exc:
             if claim is None or not isinstance(exc.__cause__, asyncpg.UniqueViolationError):
                 raise
@@ -189,7 +247,15 @@ class ScanStore:
         if ttl_s is not None:
             await self._execute(_EXPIRE_KEY, claim.scope, claim.key, ttl_s)
         rows = await self._fetch(_FIND_KEY, claim.scope, claim.key)
-        return KeyTaken(rows[0]["id"], rows[0]["request_sha256"]) if rows else None
+        return KeyTaken(*rows[0].values()) if rows else None
+
+    async def _retry(self, retry_of: uuid.UUID, claim: IdempotencyClaim, args: tuple[Any, ...]) -> None:
+        try:
+            async with self._pool.acquire(timeout=self._timeout_s) as conn, conn.transaction():
+                await conn.execute(_RELEASE_KEY, retry_of, claim.scope, claim.key, timeout=self._timeout_s)
+                await conn.execute(_INSERT, *args, timeout=self._timeout_s)
+        except DB_ERRORS as exc:
+            raise DatabaseError() from exc
 
     async def load(self, scan_id: uuid.UUID) -> StoredScan | None:
         rows = await self._fetch(_LOAD, scan_id)
@@ -213,12 +279,32 @@ class ScanStore:
         if self._retrying is None or self._retrying.done():
             self._retrying = asyncio.create_task(self._retry_deferred(), name="scan-rows-retry")
 
-    async def sweep_lost(self, *, restart_grace_s: float) -> list[uuid.UUID]:
-        """Mark `running` rows of dead processes failed / PROCESS_LOST; their ids."""
+    async def sweep_lost(
+        self, *, restart_grace_s: float, spared: Sequence[uuid.UUID] = ()
+    ) -> list[uuid.UUID]:
+        """Mark `running` rows of dead processes failed / PROCESS_LOST, but those of
+        `spared` instances (their scans are for takeover to find); their ids."""
         rows = await self._fetch(
-            _SWEEP, self.instance_id, ProcessLost.code, ProcessLost.default_message, restart_grace_s
+            _SWEEP,
+            self.instance_id,
+            ProcessLost.code,
+            ProcessLost.default_message,
+            restart_grace_s,
+            # As text: a uuid[] parameter costs the first sweep a type introspection
+            # round trip, which start-up should not wait for.
+            ",".join(str(instance) for instance in spared),
         )
         return [r["id"] for r in rows]
+
+    async def claim_orphans(self, dead: uuid.UUID, limit: int) -> list[asyncpg.Record]:
+        """Up to `limit` running scans of the dead instance `dead`, now this one's
+        (`id, user_id, created_at, token_sha256`)."""
+        return await self._fetch(_CLAIM, self.instance_id, dead, limit)
+
+    async def runs_any(self, instance: uuid.UUID) -> bool:
+        """Whether `instance` still has a `running` row."""
+        rows = await self._fetch(_RUNS_ANY, instance)
+        return bool(rows[0][0])
 
     async def close(self, timeout_s: float) -> None:
         """Shutdown: one last bounded try for the deferred rows, then give up on them

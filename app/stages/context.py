@@ -38,6 +38,7 @@ class AcceptedScan:
     ticket: Ticket  # held until the scan ends, released exactly once by the pipeline
     received_at: float  # perf_counter at request arrival
     timings: dict[str, float] = field(default_factory=dict)
+    retry_of: uuid.UUID | None = None  # the attempt this one retries (same Idempotency-Key)
 
 
 @dataclass

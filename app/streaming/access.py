@@ -30,6 +30,7 @@ from starlette.responses import Response
 from app.errors import (
     DatabaseError,
     DatabaseUnavailable,
+    ProcessLost,
     ScanAlreadyFinished,
     ScanCancelled,
     ScanEventsGone,
@@ -37,11 +38,11 @@ from app.errors import (
     ScanRunningElsewhere,
 )
 from app.runtime.metrics import Metrics
-from app.scans.events import EventLog
+from app.scans.events import EventLog, LogEntry, RecordedEvent
 from app.scans.mirror import ScanStreams
 from app.scans.pipeline import ScanPipeline
 from app.scans.run import ScanRun
-from app.scans.store import ScanStore, StoredScan
+from app.scans.store import RETRYABLE_CODES, ScanStore, StoredScan
 from app.streaming.responses import event_data, followed_response, replayed_response, resumed_response
 
 
@@ -78,10 +79,16 @@ class ScanAccess:
         `done` event's data and `error` the `error` event's, exactly as streamed."""
         run, stored = await self._find(scan_id, reader)
         if run is not None:
-            return _status(scan_id, run.status, run.created_at, run.finished_at, run.log)
-        assert stored is not None
-        log = EventLog.from_json(stored.event_log) if stored.event_log else None
-        return _status(scan_id, stored.status, stored.created_at, stored.finished_at, log)
+            body = _status(scan_id, run.status, run.created_at, run.finished_at, run.log)
+            retry_of = run.scan.retry_of
+        else:
+            assert stored is not None
+            log = EventLog.from_json(stored.event_log) if stored.event_log else None
+            body = _status(scan_id, stored.status, stored.created_at, stored.finished_at, log)
+            retry_of = stored.retry_of
+        if retry_of is not None:
+            body["retry_of"] = str(retry_of)
+        return body
 
     async def events(
         self, scan_id: uuid.UUID, reader: Reader | None, *, after: int, headers: dict[str, str] | None = None
@@ -111,19 +118,29 @@ class ScanAccess:
         """A scan another replica runs, from the Redis Stream it mirrors its events to."""
         if self._streams is None:
             raise ScanRunningElsewhere()
-        still_running = functools.partial(self._still_running, scan_id)
-        entries = await self._streams.follow(scan_id, after, still_running=still_running)
+        ended_after = functools.partial(self._ended_after, scan_id)
+        entries = await self._streams.follow(scan_id, after, ended_after=ended_after)
         if entries is None:
             return Response(status_code=204, headers=headers)
         return followed_response(str(scan_id), entries, self._metrics, ping_s=self._ping_s, headers=headers)
 
-    async def _still_running(self, scan_id: uuid.UUID) -> bool:
-        """Whether its row still says `running` (a database that does not answer: yes)."""
+    async def _ended_after(self, scan_id: uuid.UUID, position: int, progress: int) -> list[LogEntry] | None:
+        """None while the row says `running` (or the database does not answer); once it
+        has ended, its entries after `position`, the terminal one last. A row swept as
+        PROCESS_LOST holds no log: its end is the one entry a reader still lacks."""
         try:
             stored = await self._store.load(scan_id)
         except DatabaseError:
-            return True
-        return stored is not None and stored.status == "running"
+            return None
+        if stored is not None and stored.status == "running":
+            return None
+        if stored is not None and stored.event_log is not None:
+            return [e for e in EventLog.from_json(stored.event_log).entries if e.seq > position]
+        code = (stored.error_code if stored else None) or ProcessLost.code
+        message = (stored.error_message if stored else None) or ProcessLost.default_message
+        step = (stored.error_step if stored else None) or "server"
+        fields = {"code": code, "message": message, "retryable": code in RETRYABLE_CODES}
+        return [LogEntry(position + 1, progress, RecordedEvent(kind="error", step=step, recorded=fields))]
 
     def replay(self, scan_id: uuid.UUID, *, headers: dict[str, str] | None = None) -> Awaitable[Response]:
         """A repeated POST's answer: the scan its idempotency key names, from the start.

@@ -77,6 +77,9 @@ REJECTED_KEY_MESSAGE = (
 BUDGET_SPENT_MESSAGE = (
     "No AI service's rate budget can take the call before the scan's deadline; retry later."
 )
+# Failures that say the upstream has more than it can take: the stage gate's automatic
+# limit backs off (app/limits/adaptive.py).
+OVERLOAD_REASONS = frozenset({"429", "5xx", "timeout"})
 # Replies that broke on the way (a cut stream, a body that is not JSON): the deployment's
 # failure, where a refusal, a filter or a token cap is an answer.
 BROKEN_REPLIES = frozenset({"truncated", "bad_body", "bad_chunk", "stream_error"})
@@ -108,6 +111,11 @@ class Upstream:
             self.budgets.setdefault(route.deployment.budget_key(route.model), route.budget)
         # Reservations taken and not yet settled: zero whenever no call is in progress.
         self.reservations_open = 0
+        # Per stage, a running mean of the tokens one call reserves: what a budget's TPM
+        # means in calls per second.
+        self._tokens_per_call: dict[str, float] = {}
+        # Requests made per stage (each with its retries): how many of the scans call it.
+        self.requests: dict[str, int] = {}
 
     @property
     def routes(self) -> Sequence[Route]:
@@ -125,6 +133,23 @@ class Upstream:
         `ahead` calls (plus those queued at the stage gates, not at a budget yet)."""
         queued_at_gates = sum(g.waiting for g in self.gates.values())
         return self.router.predicted_wait(stage, tokens, ahead=ahead + queued_at_gates)
+
+    def call_rate(self, stage: str) -> float:
+        """Calls per second the budgets would let `stage` make if it had them to itself, over
+        its routes that take calls: what its gate may need slots for (app/limits/sizing.py).
+        Not split between the stages that share a budget: how they share it depends on the
+        scans (a vision reply from the cache makes no call), and a gate sized for the whole
+        budget costs nothing while the budget, not the gate, holds the calls back."""
+        tokens = self._tokens_per_call.get(stage)
+        rate = 0.0
+        for route in self.router.by_stage.get(stage, []):
+            if route.breaker.out:
+                continue
+            calls = route.budget.effective_rpm / 60
+            if tokens:
+                calls = min(calls, route.budget.effective_tpm / 60 / tokens)
+            rate += calls
+        return rate
 
     async def complete(self, request: ChatRequest, *, deadline: float) -> ChatResult:
         return await self._with_retries(request, deadline, None, None)
@@ -149,6 +174,7 @@ class Upstream:
         read_stream: ReadStream | None,
         on_restart: OnRestart | None,
     ) -> ChatResult:
+        self.requests[request.stage] = self.requests.get(request.stage, 0) + 1
         result = ChatResult()
         failed_on: dict[str, str] = {}  # deployment -> why it failed this call
         failures = 0
@@ -304,15 +330,20 @@ class Upstream:
                 m.stage_queue.labels(call.stage, "budget").observe(budget_wait)
                 result.queue_s += gate_wait + budget_wait
                 m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
+                mean = self._tokens_per_call.get(call.stage, float(reservation.tokens))
+                self._tokens_per_call[call.stage] = mean + 0.05 * (reservation.tokens - mean)
                 m.upstream_routed.labels(route.name, call.stage).inc()
                 verdicts = breaker.verdicts
                 started, sent_at = time.perf_counter(), self._clock.now()
                 self.reservations_open += 1
                 route.in_flight += 1
+                overloaded: bool | None = None  # None: the call said nothing (cancelled)
                 try:
                     await self._call(route, call, reservation, read_stream, result)
                     breaker.succeeded(self._clock.now(), sent_at)
+                    overloaded = False
                 except AttemptFailed as failed:
+                    overloaded = failed.reason in OVERLOAD_REASONS
                     if breaker.verdicts == verdicts:  # the reply's fault, not told to the breaker yet
                         if failed.reason in BROKEN_REPLIES:
                             breaker.failed(self._clock.now(), failed.reason)
@@ -326,6 +357,8 @@ class Upstream:
                     # settled exactly once; an unsettled one here means "spent as reserved".
                     reservation.settle(reservation.tokens)
                     elapsed = time.perf_counter() - started
+                    if overloaded is not None:
+                        gate.observe(elapsed, overloaded=overloaded)
                     result.service_s += elapsed
                     m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
         finally:

@@ -1,7 +1,17 @@
-"""The grid: which points a sweep runs, and the name and hash each one is stored under.
+"""The grid: which points a sweep runs, in which order, and the name and hash each run
+is stored under.
 
-A point's config (settings, load level, fixed options) is hashed into its file name, so
-a re-run finds the points already done and a changed option makes new ones.
+A run's config (settings, load level, fixed options, repeat) is hashed into its file
+name, so a re-run finds the runs already done and a changed option makes new ones.
+With `--repeat N` the whole grid runs N times in turn (rounds), not each point N times
+in a row: this box's speed drifts by several per cent within an hour, and a point run
+N times back to back would carry that drift as if it were the setting's effect. Even
+rounds run the grid backwards, so a drift that is linear in time gives every point the
+same mean position in the sweep.
+
+A grid value `auto` asks the service to size the setting itself. A service whose
+Settings cannot read `auto` for it gets the variable unset (its default) instead; the
+config says so (`auto_unset`), so the two never share a result file.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from app.settings import Settings, env_name
+from app.settings import Settings, SettingsError, env_name
 
 # Grid axes with their own flags: flag dest -> service env var.
 AXIS_FLAGS = {
@@ -25,6 +35,15 @@ AXIS_FLAGS = {
 }
 # Short names for the tables, progress lines and CSV columns.
 ALIASES = {"CPU_MAX_WORKERS": "max_workers"}
+AUTO = "auto"
+# The settings a service may size itself (`auto`): what `--auto-point` sets to auto.
+AUTO_SIZED = (
+    "CPU_MAX_WORKERS",
+    "CPU_QUEUE_LIMIT",
+    "VISION_CONCURRENCY",
+    "ANSWER_CONCURRENCY",
+    "MAX_INFLIGHT_SCANS",
+)
 UNLIMITED_RPM = 1_000_000
 UNLIMITED_TPM = 1_000_000_000
 
@@ -58,10 +77,32 @@ class Point:
     settings: tuple[tuple[str, str], ...]
     level: int | float
     fixed: FixedOptions
+    repeat: int = 1  # which round of `--repeat`, from 1
+    auto_unset: tuple[str, ...] = ()  # `auto` settings the service cannot read: left unset
 
     @property
     def config(self) -> dict[str, Any]:
-        return {"settings": dict(self.settings), "level": self.level, **dataclasses.asdict(self.fixed)}
+        config = {"settings": dict(self.settings), "level": self.level, **dataclasses.asdict(self.fixed)}
+        # Only when they say something: a single-round sweep keeps the hashes (and the
+        # result files) it had before repeats existed.
+        if self.repeat > 1:
+            config["repeat"] = self.repeat
+        if self.auto_unset:
+            config["auto_unset"] = list(self.auto_unset)
+        return config
+
+    @property
+    def cell(self) -> Point:
+        """The grid point this run repeats (its first round): what the reports group by."""
+        return dataclasses.replace(self, repeat=1)
+
+    @property
+    def is_auto(self) -> bool:
+        return any(sized_by_service(value) for _, value in self.settings)
+
+    def service_settings(self) -> dict[str, str]:
+        """The env vars the service gets: `auto` ones it cannot read are left out."""
+        return {k: v for k, v in self.settings if not (sized_by_service(v) and k in self.auto_unset)}
 
     @property
     def key(self) -> str:
@@ -78,8 +119,10 @@ class Point:
 
     @property
     def stem(self) -> str:
-        """File name stem of everything this point writes (result, summary, logs)."""
-        safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{self.label}_{self.level_name}={self.level}")
+        """File name stem of everything this run writes (result, summary, logs)."""
+        name = f"{self.label}_{self.level_name}={self.level}"
+        name += f"_r{self.repeat}" if self.repeat > 1 else ""
+        safe = re.sub(r"[^A-Za-z0-9_.=-]+", "_", name)
         return f"{safe}-{self.key}"
 
     @property
@@ -106,7 +149,22 @@ def service_env_names() -> set[str]:
     return {env_name(f.name) for f in dataclasses.fields(Settings) if not f.metadata.get("env_prefix")}
 
 
+def sized_by_service(value: str) -> bool:
+    """`auto`, or `auto:N` (sized by the service, at most N)."""
+    return value == AUTO or value.startswith(AUTO + ":")
+
+
+def accepts_auto(name: str) -> bool:
+    """Whether the service's Settings read `auto` for the env var `name`."""
+    try:
+        Settings.from_env({name: AUTO})
+    except (SettingsError, ValueError, TypeError):
+        return False
+    return True
+
+
 def build_grid(args: argparse.Namespace) -> list[Point]:
+    """Every run of the sweep, in the order to run them."""
     axes: list[tuple[str, list[str]]] = [
         (env, getattr(args, dest)) for dest, env in AXIS_FLAGS.items() if getattr(args, dest)
     ]
@@ -118,13 +176,49 @@ def build_grid(args: argparse.Namespace) -> list[Point]:
     levels = args.rates if args.scenario == "arrival" else args.vus
     if not levels:
         raise SystemExit("give load levels: --rates for the arrival scenario, --vus otherwise")
-    fixed = fixed_options(args)
+    if args.auto_point:
+        axes = with_auto_point(axes)
+    unset = tuple(
+        name for name, values in axes if any(map(sized_by_service, values)) and not accepts_auto(name)
+    )
+    for name in unset:
+        print(f"note: the service cannot read {name}=auto yet; its `auto` points leave it unset (default)")
     names = [name for name, _ in axes]
-    return [
-        Point(tuple(zip(names, combo, strict=True)), number(level), fixed)
-        for combo in itertools.product(*[values for _, values in axes])
+    combos = list(dict.fromkeys(itertools.product(*[values for _, values in axes])))
+    if args.auto_point:  # the grid's numbers, plus one point sized by the service
+        combos = [c for c in combos if all_or_no_auto(names, c)]
+    cells = [
+        Point(tuple(zip(names, combo, strict=True)), number(level), fixed_options(args))
+        for combo in combos
         for level in levels
     ]
+    cells = [
+        dataclasses.replace(
+            c, auto_unset=tuple(n for n in unset if sized_by_service(dict(c.settings).get(n, "")))
+        )
+        for c in cells
+    ]
+    return interleave(cells, args.repeat)
+
+
+def with_auto_point(axes: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """`--auto-point`: `auto` added to every axis of a setting that sizes itself."""
+    return [(n, v if n not in AUTO_SIZED or any(map(sized_by_service, v)) else [*v, AUTO]) for n, v in axes]
+
+
+def all_or_no_auto(names: list[str], combo: tuple[str, ...]) -> bool:
+    """With `--auto-point`: every self-sizing setting `auto`, or none of them."""
+    sized = [sized_by_service(v) for name, v in zip(names, combo, strict=True) if name in AUTO_SIZED]
+    return all(sized) or not any(sized)
+
+
+def interleave(cells: list[Point], repeats: int) -> list[Point]:
+    """`repeats` rounds over the whole grid, every even round backwards (see the module doc)."""
+    runs = []
+    for repeat in range(1, repeats + 1):
+        order = cells if repeat % 2 else cells[::-1]
+        runs += [dataclasses.replace(cell, repeat=repeat) for cell in order]
+    return runs
 
 
 def fixed_options(args: argparse.Namespace) -> FixedOptions:

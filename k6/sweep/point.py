@@ -18,7 +18,7 @@ from typing import Any
 from .grid import Point, expected_run_s
 from .k6_run import K6_GRACE_S, SCRIPTS, k6_digest, k6_env, run_k6
 from .processes import HOST, Proc, free_port, http_get, http_post, start, stop, venv_python, wait_ready
-from .prometheus import metrics_digest, scrape
+from .prometheus import GaugeSampler, metrics_digest, scrape
 from .sampler import Sampler
 
 
@@ -67,7 +67,7 @@ def service_env(point: Point, sim_port: int, database_url: str) -> dict[str, str
             "OPENAI_BASE_URL": f"http://{HOST}:{sim_port}/v1",
             "OPENAI_RPM": str(point.fixed.service_rpm),
             "OPENAI_TPM": str(point.fixed.service_tpm),
-            **dict(point.settings),
+            **point.service_settings(),
         }
     )
     return env
@@ -121,11 +121,20 @@ def warm_up(ctx: Context, point: Point, base_url: str) -> None:
     run_k6(ctx.k6, script, env, log, warmup_s + 60, extra=("--no-thresholds",))
 
 
-def measured_run(ctx: Context, point: Point, services: Services, summary: Path) -> tuple[int, dict[str, Any]]:
-    """The point's k6 run with its processes sampled: k6's exit code and the resources."""
+@dataclass(frozen=True)
+class Measured:
+    exit_code: int  # k6's
+    resources: dict[str, Any]  # CPU and RSS per process tree
+    slots: dict[str, float | None]  # the limit gauges over the run
+
+
+def measured_run(ctx: Context, point: Point, services: Services, summary: Path) -> Measured:
+    """The point's k6 run with its processes and the service's limit gauges sampled."""
     env = k6_env(point, services.base_url, point.level, point.fixed.duration, summary)
     sampler = Sampler({"service": services.service.popen.pid, "simulator": services.simulator.popen.pid})
     sampler.start()
+    gauges = GaugeSampler(services.base_url)
+    gauges.start()
     profiler = start_profiler(ctx, point, services.service.popen.pid)
     try:
         timeout = expected_run_s(point) + K6_GRACE_S + 90
@@ -134,8 +143,9 @@ def measured_run(ctx: Context, point: Point, services: Services, summary: Path) 
         exit_code = run_k6(ctx.k6, script, env, log, timeout, on_start=lambda pid: sampler.add("k6", pid))
     finally:
         resources = sampler.stop()
+        slots = gauges.stop()
         finish_profiler(profiler)
-    return exit_code, resources
+    return Measured(exit_code, resources, slots)
 
 
 def finish_profiler(profiler: Proc | None) -> None:
@@ -167,19 +177,22 @@ def run_point(ctx: Context, point: Point) -> dict[str, Any]:
         before = scrape(services.base_url)
         summary_path = ctx.out / "points" / f"{point.stem}.k6-summary.json"
         summary_path.unlink(missing_ok=True)
-        exit_code, resources = measured_run(ctx, point, services, summary_path)
+        measured = measured_run(ctx, point, services, summary_path)
         after = scrape(services.base_url)
         sim_stats = json.loads(http_get(services.sim_url + "/sim/stats")[1] or b"{}")
     if not summary_path.exists():
-        raise RuntimeError(f"k6 exited with {exit_code} and wrote no summary; see {point.stem}.k6.log")
+        raise RuntimeError(
+            f"k6 exited with {measured.exit_code} and wrote no summary; see {point.stem}.k6.log"
+        )
     summary = json.loads(summary_path.read_text())
     return {
         "config": point.config,
         "label": point.label,
-        "k6_exit": exit_code,  # 99 = a threshold was crossed
+        "k6_exit": measured.exit_code,  # 99 = a threshold was crossed
         "k6": k6_digest(summary),
-        "resources": resources,
+        "resources": measured.resources,
         "metrics": metrics_digest(before, after),
+        "slots": measured.slots,
         "sim": sim_stats,
         "elapsed_s": round(time.time() - started, 1),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -50,6 +50,14 @@ _NEW_SCAN_HEADERS = {
         "required": False,
         "schema": {"type": "string", "enum": ["true"]},
     },
+    "X-Retry-Of": {
+        "description": (
+            "A new attempt under an `Idempotency-Key` whose scan ended with a retryable error: "
+            "that scan's id (also the status's `retry_of`)."
+        ),
+        "required": False,
+        "schema": {"type": "string", "format": "uuid"},
+    },
 }
 
 
@@ -126,8 +134,9 @@ SCAN_OPENAPI_EXTRA: dict[str, Any] = {
                 f"1-{MAX_IDEMPOTENCY_KEY_CHARS} printable characters. A POST repeating an earlier one "
                 "of the same caller with the same key and the same image and `user_input` (within "
                 "IDEMPOTENCY_TTL_S) answers with that scan's stream (`Idempotent-Replayed: true`) "
-                "instead of starting another; the same key with a different request is 422 "
-                "`IDEMPOTENCY_KEY_REUSED`."
+                "instead of starting another, unless that scan ended with a retryable error: then "
+                "the key starts a new attempt (`X-Retry-Of`); the same key with a different request "
+                "is 422 `IDEMPOTENCY_KEY_REUSED`."
             ),
             "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_CHARS},
         },
@@ -168,6 +177,11 @@ def scan_status_model(done_event: type[BaseModel], error_event: type[BaseModel])
         status: Literal["running", "completed", "failed", "cancelled"]
         created_at: datetime
         finished_at: datetime | None
+        retry_of: UUID | SkipJsonSchema[None] = Field(
+            default=None,
+            description="The attempt this scan retries (same `Idempotency-Key`, after a retryable end).",
+            json_schema_extra=_no_default,
+        )
         result: done_event | SkipJsonSchema[None] = Field(  # type: ignore[valid-type]
             default=None,
             description="A completed scan's `done` event data.",
