@@ -223,8 +223,12 @@ class Upstream:
                 breaker.probed_elsewhere(self._clock.now(), wait_s)
                 return None
             if breaker.state == CLOSED:  # closed by another call meanwhile
+                shared.probe_ended(breaker)
                 return 0
-        return breaker.begin(self._clock.now()) or None
+        probe = breaker.begin(self._clock.now())
+        if not probe and shared is not None:  # changed during the claim: not ours to hold
+            shared.probe_ended(breaker)
+        return probe or None
 
     def _pick(self, request: ChatRequest, failed_on: Mapping[str, str], deadline: float) -> Route:
         try:
