@@ -11,6 +11,10 @@ A deployment can also be taken out: a key refused or a deployment that does not 
 (401/403/404) for `OUT_RETRY_S`, an exhausted quota for `QUOTA_COOLDOWN_S`; then probed
 like an open one. Taking out is logged as an error: someone has to fix it.
 
+A success says the deployment works only if its call was sent after the last failure (a
+stream in flight when it went down may still finish fine). Calls waiting to go to it
+`watch_open`, to go elsewhere the moment it opens.
+
 With REDIS_URL, what one replica learns reaches the others (app/upstream/shared_breaker.py):
 its own changes go to `listener`; what another replica found arrives through `adopt_open`,
 `adopt_closed` and `probed_elsewhere`, which change this breaker without telling the
