@@ -37,7 +37,7 @@ from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
 from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
-from app.limits.shared_budget import SharedRateBudget
+from app.limits.shared_budget import SharedRateBudget, holder_name
 from app.limits.shared_user_caps import SharedUserCaps
 from app.limits.sizing import (
     ADMISSION_FLOOR,
@@ -69,6 +69,7 @@ from app.upstream.endpoint import ChatEndpoint
 from app.upstream.negotiation import Negotiation
 from app.upstream.providers import PROVIDERS
 from app.upstream.routes import Route, Router
+from app.upstream.shared_breaker import SharedBreakers
 
 log = logging.getLogger("app")
 
@@ -104,6 +105,7 @@ class Resources:
     acceptance: ScanAcceptance
     input_limits: InputLimits
     upstream_base_url: str
+    breakers: dict[str, Breaker]  # by deployment name, for /readyz
     redis: RedisLink | None = None  # REDIS_URL set: what replicas share (app/runtime/redis_link.py)
     simulator: Any = None  # app.sim.server.RunningSimulator when embedded
 
@@ -190,6 +192,7 @@ async def lifespan_resources(
             acceptance=acceptance,
             input_limits=input_limits,
             upstream_base_url=base_url,
+            breakers={route.name: route.breaker for route in upstream.routes},
             redis=redis,
             simulator=simulator,
         )
@@ -291,10 +294,11 @@ async def _upstream(
     endpoints: dict[tuple[str, str], ChatEndpoint] = {}
     negotiations: dict[tuple[str, str], Negotiation] = {}
     routes: list[Route] = []
+    breakers: dict[str, Breaker] = {}
     for d in deployments:
         provider = PROVIDERS[d.provider]
-        breaker = Breaker(d.name, open_base_s=settings.upstream_open_s)
-        metrics.upstream_state.labels(d.name).set(0)
+        breaker = breakers[d.health_id()] = Breaker(d.name, open_base_s=settings.upstream_open_s)
+        metrics.upstream_state.labels(d.name).set_function(breaker.gauge)
         for stage in ("vision", "answer"):
             model = d.model_for(stage)
             if model is None:
@@ -334,8 +338,35 @@ async def _upstream(
         base_delay_s=settings.retry_base_delay_s,
         max_delay_s=settings.retry_max_delay_s,
     )
-    upstream = Upstream(Router(routes, clock), gates=gates, retry=retry, metrics=metrics, clock=clock)
+    shared = _shared_breakers(breakers, redis, metrics, clock, stack)
+    upstream = Upstream(
+        Router(routes, clock, spill_after_s=settings.max_budget_wait_s),
+        gates=gates,
+        retry=retry,
+        metrics=metrics,
+        clock=clock,
+        shared_breakers=shared,
+    )
     return upstream, deployments[0].base_url, simulator
+
+
+def _shared_breakers(
+    breakers: Mapping[str, Breaker],
+    redis: RedisLink | None,
+    metrics: Metrics,
+    clock: Clock,
+    stack: AsyncExitStack,
+) -> SharedBreakers | None:
+    """With REDIS_URL, every replica's breakers as one (app/upstream/shared_breaker.py)."""
+    if redis is None:
+        return None
+    shared = SharedBreakers(
+        redis, breakers, clock, holder=holder_name(), on_error=metrics.breaker_redis_errors.inc
+    )
+    shared.start()
+    stack.push_async_callback(_bounded_close, "shared breakers", shared.aclose)
+    metrics.breakers_shared.set_function(lambda: 1 if shared.shared else 0)
+    return shared
 
 
 def _gate(settings: Settings, stage: str, box: BoxLimits) -> StageGate:

@@ -45,6 +45,22 @@ def test_the_upstreams_own_wait_wins_when_longer() -> None:
     assert b.open_until == pytest.approx(17.0)
 
 
+def test_calls_sent_before_it_failed_do_not_vouch_for_it() -> None:
+    """Streams in flight when the deployment went down finish fine after its first
+    failures: they neither break the run of failures nor close it once open."""
+    b = Breaker("a", open_base_s=5.0)
+    b.failed(10.0, "5xx")
+    b.succeeded(10.5, started=6.0)  # sent before the failure
+    b.failed(11.0, "5xx")
+    b.succeeded(11.5, started=7.0)
+    b.failed(12.0, "5xx")
+    assert b.state == OPEN
+    b.succeeded(13.0, started=8.0)
+    assert b.state == OPEN and not b.ready(13.0)
+    b.succeeded(17.5, started=17.0)  # sent after: the deployment answers again
+    assert b.state == CLOSED
+
+
 def test_a_failing_window_opens_it_without_a_run() -> None:
     b = Breaker("a")
     t = 0.0
@@ -61,10 +77,24 @@ def test_a_cancelled_probe_frees_the_slot() -> None:
     b = Breaker("a", open_base_s=1.0)
     for _ in range(3):
         b.failed(0.0, "5xx")
-    b.begin(1.0)
-    assert not b.ready(1.0)
-    b.released()
+    probe = b.begin(1.0)
+    assert probe and not b.ready(1.0)
+    b.released(probe)
     assert b.ready(1.0)
+
+
+def test_a_stale_probe_does_not_free_a_newer_ones_slot() -> None:
+    b = Breaker("a", open_base_s=1.0)
+    for _ in range(3):
+        b.failed(0.0, "5xx")
+    first = b.begin(1.0)
+    b.failed(1.1, "5xx")  # its verdict: open again, for 2 s
+    second = b.begin(3.1)
+    assert second and second != first
+    b.released(first)  # the first call's cleanup, late: not the probe in flight
+    assert b.probing and not b.ready(3.2)
+    b.released(second)
+    assert b.ready(3.2)
 
 
 def test_taking_out_is_loud_and_lasts(caplog: pytest.LogCaptureFixture) -> None:

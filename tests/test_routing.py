@@ -20,6 +20,7 @@ from .conftest import (
     ScanOutcome,
     Service,
     data_url,
+    eventually,
     make_jpeg,
     run_scan,
     running_service,
@@ -142,6 +143,11 @@ async def test_a_refused_key_takes_its_deployment_out_loudly(
         async with routed_service(database_url, sim, monkeypatch, listed) as svc:
             outcomes = await scans(svc, 1)
             assert svc.metric("ecoscan_upstream_state", {"upstream": "no-key"}) == 3  # out
+            ready = (await svc.client.get("/readyz")).json()
+            assert ready["ready"] is True  # the other deployment serves
+            assert ready["checks"]["upstreams"]["no-key"].startswith("out for ")
+            assert "401" in ready["checks"]["upstreams"]["no-key"]
+            assert ready["checks"]["upstreams"]["good"] == "closed"
             assert (await sim_stats(a))["requests_total"] == 1  # one 401, then out
             outcomes += await scans(svc, 4)
             got = (await sim_stats(a))["requests_total"]
@@ -150,6 +156,100 @@ async def test_a_refused_key_takes_its_deployment_out_loudly(
     assert any(
         "upstream no-key taken out" in r.getMessage() and "401" in r.getMessage() for r in caplog.records
     )
+
+
+async def test_a_refused_key_with_no_other_route_is_the_operators_to_fix(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with simulators(1) as (a,):
+        keyless = {**deployment("no-key", a), "provider": "compatible"}
+        del keyless["api_key_env"]  # the simulator answers 401 without a key
+        async with routed_service(database_url, sim, monkeypatch, [keyless]) as svc:
+            first = await scans(svc, 1)
+            later = await scans(svc, 2)  # while it is out: the same answer, no call
+            assert (await sim_stats(a))["requests_total"] == 1
+    for outcome in [*first, *later]:
+        error = outcome.terminal
+        assert (error.event, error.data["code"], error.data["retryable"]) == (
+            "error",
+            "UPSTREAM_REJECTED",
+            False,
+        )
+        assert "retry_after" not in error.data  # waiting does not fix a key
+        assert "credentials" in error.data["message"]
+
+
+async def test_a_budget_that_cannot_take_the_call_in_time_ends_it_at_once_with_a_wait(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One request a minute, one at once: the vision call takes it; the answer call would
+    # wait ~60 s, past its 45 s limit. It fails at once, saying when the budget has room.
+    async with (
+        simulators(1) as (a,),
+        routed_service(database_url, sim, monkeypatch, [deployment("slow", a, rpm=1)]) as svc,
+    ):
+        started = asyncio.get_running_loop().time()
+        (outcome,) = await scans(svc, 1)
+        took = asyncio.get_running_loop().time() - started
+    error = outcome.terminal
+    assert (error.event, error.data["code"], error.data["retryable"]) == (
+        "error",
+        "UPSTREAM_RATE_LIMITED",
+        True,
+    )
+    assert error.data["step"] == "answer"
+    assert 30 <= error.data["retry_after"] <= 70
+    assert took < 20  # not the answer stage's 45 s waited out
+
+
+async def test_a_priority_whose_budget_is_spent_spills_to_the_next(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The primary admits one call a minute: every call after its first goes to the standby
+    # at once, none waits on the primary's budget, no scan fails.
+    async with simulators(2) as (a, b):
+        listed = [deployment("primary", a, rpm=1), deployment("standby", b, priority=1)]
+        async with routed_service(database_url, sim, monkeypatch, listed) as svc:
+            started = asyncio.get_running_loop().time()
+            outcomes = await scans(svc, 4)
+            took = asyncio.get_running_loop().time() - started
+            routed = [
+                svc.metric("ecoscan_upstream_routed_total", {"upstream": n, "stage": "vision"})
+                for n in ("primary", "standby")
+            ]
+    assert [o.terminal.event for o in outcomes] == ["done"] * 4
+    assert routed == [1, 3]
+    assert took < 20
+
+
+async def test_calls_queued_for_a_deployment_that_goes_down_go_elsewhere_at_once(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The primary admits 6 calls at once, then one a second. Its upstream holds the first 6
+    # unanswered while the next ones queue for its budget; then it answers 503s: those 6
+    # open its breaker, and the queued calls leave the queue for the standby at once
+    # instead of going to the dead primary one a second.
+    async with simulators(2) as (a, b):
+        listed = [deployment("primary", a, rpm=60), deployment("standby", b, priority=1)]
+        async with routed_service(database_url, sim, monkeypatch, listed) as svc:
+            await sim_configure(a, outage="hang")
+            running = asyncio.ensure_future(scans(svc, 10))
+            queued = {"model": "primary/gpt-4o-mini"}
+
+            async def held_and_queued() -> bool:
+                held = (await sim_stats(a))["held"]
+                return held >= 6 and (svc.metric("ecoscan_budget_waiters", queued) or 0) >= 1
+
+            assert await eventually(held_and_queued, attempts=500, interval=0.01)
+            await sim_configure(a, outage="503")
+            outcomes = await running
+            moved = {"stage": "vision", "reason": "rerouted"}
+            rerouted = svc.metric("ecoscan_upstream_failovers_total", moved)
+            stats = await sim_stats(a)
+    assert [o.terminal.event for o in outcomes] == ["done"] * 10
+    # The 6 held, and at most one the budget admitted while the test switched the outage.
+    assert stats["requests_total"] + stats["outage_requests_total"] <= 7, stats
+    assert rerouted and rerouted >= 1
 
 
 async def test_with_every_route_down_the_scan_ends_with_a_wait(

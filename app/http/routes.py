@@ -5,6 +5,7 @@ one place (`app/main.py`)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from fastapi import APIRouter, Request
@@ -195,7 +196,12 @@ async def readyz(request: Request) -> Response:
         "upstream": "simulator" if r.simulator is not None else "configured",
     }
     ready = checks["accepting"] == "yes" and checks["database"] == "ok"
-    return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+    # Deployments open or taken out are shown, not judged: another replica would find the
+    # same deployments in the same state, so readiness does not turn on them.
+    now = time.monotonic()
+    upstreams = {name: breaker.describe(now) for name, breaker in r.breakers.items()}
+    body = {"ready": ready, "checks": {**checks, "upstreams": upstreams}}
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 async def _database_check(r: Resources) -> str:

@@ -54,7 +54,7 @@ from app.limits.rate_budget import RateBudget, Reservation
 from app.limits.rate_headers import UpstreamSnapshot
 from app.runtime.redis_link import RedisError, RedisLink
 
-__all__ = ["COLD_SHARE", "LEASE_S", "SharedRateBudget"]
+__all__ = ["COLD_SHARE", "LEASE_S", "SharedRateBudget", "holder_name"]
 
 log = logging.getLogger("ecoscan.budget")
 

@@ -332,6 +332,17 @@ class Metrics:
             "Per-user cap checks that fell back to this process's count because Redis failed.",
             registry=r,
         )
+        self.breaker_redis_errors = Counter(
+            "ecoscan_upstream_breaker_redis_errors_total",
+            "Breaker syncs and probe claims that failed because Redis did (each replica's "
+            "breakers then go on alone).",
+            registry=r,
+        )
+        self.breakers_shared = Gauge(
+            "ecoscan_upstream_breakers_shared",
+            "1 while the deployments' breakers are shared through Redis, 0 while this replica's go on alone.",
+            registry=r,
+        )
 
     def _declare_cpu_lane_and_loop_metrics(self) -> None:
         """The CPU lane's queue, workers and jobs, and the event loop's lag."""

@@ -10,12 +10,24 @@ call at a time probes it (half-open): a success closes it, a failure opens it ag
 A deployment can also be taken out: a key refused or a deployment that does not exist
 (401/403/404) for `OUT_RETRY_S`, an exhausted quota for `QUOTA_COOLDOWN_S`; then probed
 like an open one. Taking out is logged as an error: someone has to fix it.
+
+A success says the deployment works only if its call was sent after the last failure (a
+stream in flight when it went down may still finish fine). Calls waiting to go to it
+`watch_open`, to go elsewhere the moment it opens.
+
+With REDIS_URL, what one replica learns reaches the others (app/upstream/shared_breaker.py):
+its own changes go to `listener`; what another replica found arrives through `adopt_open`,
+`adopt_closed` and `probed_elsewhere`, which change this breaker without telling the
+listener again.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
+from collections.abc import Callable
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +45,16 @@ QUOTA_COOLDOWN_S = 600.0
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 
 
+class BreakerListener(Protocol):
+    """Told of this replica's own changes (to share them)."""
+
+    def opened(self, breaker: Breaker, seconds: float) -> None: ...
+
+    def closed(self, breaker: Breaker) -> None: ...
+
+    def probe_ended(self, breaker: Breaker) -> None: ...
+
+
 class Breaker:
     def __init__(self, name: str, *, open_base_s: float = OPEN_BASE_S) -> None:
         self.name = name
@@ -46,33 +68,76 @@ class Breaker:
         self.verdicts = 0  # calls that said something about the deployment (success or failure)
         self._failures_in_a_row = 0
         self._recent: deque[tuple[float, bool]] = deque()
+        self.listener: BreakerListener | None = None
+        self._probes = 0  # probes begun: the current one's id
+        self._last_failure_at = -math.inf
+        self._open_watchers: set[Callable[[], None]] = set()
+
+    def gauge(self) -> int:
+        """`ecoscan_upstream_state`: 0 closed, 1 open, 2 half-open, 3 taken out."""
+        if self.out:
+            return 3
+        return {CLOSED: 0, HALF_OPEN: 2}.get(self.state, 1)
+
+    def describe(self, now: float) -> str:
+        """For `/readyz`: "closed", "probing", or "open"/"out" with why and for how long."""
+        if self.state == CLOSED:
+            return "closed"
+        if self.probing:
+            return f"probing ({self.reason})"
+        left = max(0.0, self.open_until - now)
+        return f"{'out' if self.out else 'open'} for {left:.0f} s more ({self.reason})"
+
+    def watch_open(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when the breaker next opens or is taken out (here or on another
+        replica's word), once; `unwatch_open` when no longer interested."""
+        self._open_watchers.add(callback)
+
+    def unwatch_open(self, callback: Callable[[], None]) -> None:
+        self._open_watchers.discard(callback)
+
+    def _tell_watchers(self) -> None:
+        watchers, self._open_watchers = self._open_watchers, set()
+        for callback in watchers:
+            callback()
+
+    def would_probe(self, now: float) -> bool:
+        """Would a call now be this deployment's probe?"""
+        return self.state != CLOSED and now >= self.open_until and not self.probing
 
     def ready(self, now: float) -> bool:
         """May a call go to this deployment now (a probe, when half-open)? Changes nothing."""
-        if self.state == CLOSED:
-            return True
-        return now >= self.open_until and not self.probing
+        return self.state == CLOSED or self.would_probe(now)
 
-    def begin(self, now: float) -> bool:
-        """A call goes: past its cooldown an open breaker lets this one through as the probe
-        (True: this call is the probe)."""
-        if self.state != CLOSED and now >= self.open_until and not self.probing:
+    def begin(self, now: float) -> int:
+        """A call goes: past its cooldown an open breaker lets this one through as the probe.
+        Returns the probe's id (0: this call is not the probe)."""
+        if self.would_probe(now):
             self.state, self.probing = HALF_OPEN, True
-            return True
-        return False
+            self._probes += 1
+            return self._probes
+        return 0
 
-    def succeeded(self, now: float) -> None:
+    def succeeded(self, now: float, started: float | None = None) -> None:
+        """A call that `started` then succeeded. One that started before the last failure
+        says nothing about the deployment since (a long stream finishing after it went
+        down): it counts in the window, but neither ends a run of failures nor closes it."""
         self.verdicts += 1
         self._record(now, ok=True)
+        if started is not None and started < self._last_failure_at:
+            return
         self._failures_in_a_row = 0
         if self.state != CLOSED:
             log.warning("upstream %s is back (%s)", self.name, self.reason or "probe succeeded")
+            if self.listener is not None:
+                self.listener.closed(self)
         self.state, self.probing, self.opened, self.out, self.reason = CLOSED, False, 0, False, ""
 
     def failed(self, now: float, reason: str, wait_s: float | None = None) -> None:
         """A failure that says something about the deployment (not about the request)."""
         self.verdicts += 1
         self._record(now, ok=False)
+        self._last_failure_at = now
         self._failures_in_a_row += 1
         if (
             self.state == HALF_OPEN
@@ -84,14 +149,50 @@ class Breaker:
 
     def take_out(self, now: float, reason: str, seconds: float) -> None:
         self.verdicts += 1
+        self._last_failure_at = now
         if not self.out:
             log.error("upstream %s taken out for %.0f s: %s", self.name, seconds, reason)
         self.out = True
         self._open(now, seconds, reason)
 
-    def released(self) -> None:
-        """The probe ended without a verdict (cancelled): the probe slot is free again."""
+    def released(self, probe: int) -> None:
+        """Probe `probe` ended without a verdict (cancelled, or its call never went): the
+        probe slot is free again, unless a verdict or another probe came since."""
+        if not self.probing or probe != self._probes:
+            return
         self.probing = False
+        if self.listener is not None:
+            self.listener.probe_ended(self)
+
+    def adopt_open(self, now: float, seconds: float, *, out: bool, reason: str, opened: int) -> None:
+        """Another replica found it failing (or took it out): open for `seconds` more, and
+        opened `opened` times in a row (a failed probe from here doubles from there)."""
+        if self.state == HALF_OPEN and not out:
+            return  # our probe is in flight: its verdict is fresher
+        if out and not self.out:
+            log.error("upstream %s taken out for %.0f s by another replica: %s", self.name, seconds, reason)
+        elif self.state == CLOSED:
+            log.warning(
+                "upstream %s: open for %.1f s, as another replica found (%s)", self.name, seconds, reason
+            )
+        self.state, self.probing, self.out, self.reason = OPEN, False, out, reason
+        self.open_until = now + seconds
+        self.opened = max(self.opened, opened)
+        self._failures_in_a_row = 0
+        self._last_failure_at = now  # calls sent before this replica knew do not vouch for it
+        self._tell_watchers()
+
+    def adopt_closed(self) -> None:
+        """Another replica's probe succeeded: calls go again."""
+        if self.state == OPEN:
+            log.warning("upstream %s is back (another replica's probe succeeded)", self.name)
+            self.state, self.opened, self.out, self.reason = CLOSED, 0, False, ""
+            self._failures_in_a_row = 0
+
+    def probed_elsewhere(self, now: float, seconds: float) -> None:
+        """Another replica is probing it: no probe from here for `seconds`."""
+        if self.state == OPEN:
+            self.open_until = max(self.open_until, now + seconds)
 
     def _open(self, now: float, seconds: float, reason: str) -> None:
         if self.state == CLOSED:
@@ -100,6 +201,9 @@ class Breaker:
         self.open_until = now + seconds
         self.opened += 1
         self._failures_in_a_row = 0
+        if self.listener is not None:
+            self.listener.opened(self, seconds)
+        self._tell_watchers()
 
     def _record(self, now: float, *, ok: bool) -> None:
         self._recent.append((now, ok))

@@ -17,6 +17,7 @@ again from the beginning (the consumer is told to drop what it showed: `on_resta
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -27,7 +28,6 @@ import aiohttp
 import orjson
 
 from app.errors import (
-    ScanDeadlineExceeded,
     ScanFailed,
     UpstreamError,
     UpstreamQuotaExhausted,
@@ -41,10 +41,11 @@ from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservati
 from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
 from app.runtime.metrics import Metrics
-from app.upstream.breaker import CLOSED, HALF_OPEN, OUT_RETRY_S, QUOTA_COOLDOWN_S
+from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
 from app.upstream.endpoint import StallWatch, until_eof
 from app.upstream.routes import NoRoute, Route, Router
+from app.upstream.shared_breaker import SharedBreakers
 from app.upstream.wire import (
     Pause,
     check_finish,
@@ -66,6 +67,16 @@ MAX_ERROR_BODY_CHARS = 300
 STREAM_END_WAIT_S = 0.1
 # A deployment that refuses a key or has no such deployment answers these.
 OUT_STATUSES = (401, 403, 404)
+QUOTA_REASON = "insufficient_quota"
+# A call taken off a deployment whose breaker opened before the call was sent.
+REROUTED = "rerouted"
+REJECTED_KEY_MESSAGE = (
+    "The AI service refused this service's credentials, or the deployment does not exist; "
+    "the operator must fix the configuration."
+)
+BUDGET_SPENT_MESSAGE = (
+    "No AI service's rate budget can take the call before the scan's deadline; retry later."
+)
 # Failures that say the upstream has more than it can take: the stage gate's automatic
 # limit backs off (app/limits/adaptive.py).
 OVERLOAD_REASONS = frozenset({"429", "5xx", "timeout"})
@@ -86,8 +97,10 @@ class Upstream:
         retry: RetryPolicy,
         metrics: Metrics,
         clock: Clock,
+        shared_breakers: SharedBreakers | None = None,
     ) -> None:
         self.router = router
+        self._shared_breakers = shared_breakers  # REDIS_URL: probes claimed across replicas
         self.gates = gates
         self._retry = retry
         self._metrics = metrics
@@ -165,16 +178,27 @@ class Upstream:
         result = ChatResult()
         failed_on: dict[str, str] = {}  # deployment -> why it failed this call
         failures = 0
+        detours = 0  # routes skipped because another replica is probing them
         chosen: Route | None = None
         while True:
-            route = chosen or self._pick(request, failed_on)
+            route = chosen or self._pick(request, failed_on, deadline)
+            probe = await self._probe_for(route)
+            if probe is None and detours < len(self.routes):
+                detours, chosen = detours + 1, None
+                continue
             call = route.shaped(request)
             result.attempts += 1
             try:
-                await self._attempt(route, call, deadline, read_stream, result)
+                await self._attempt(route, call, deadline, read_stream, result, probe or 0)
                 result.upstream = route.name
                 return result
             except AttemptFailed as failed:
+                if failed.reason == REROUTED and detours < len(self.routes):
+                    # Its deployment went down while the call queued: elsewhere, at once.
+                    detours, chosen = detours + 1, None
+                    failed_on.setdefault(route.name, failed.reason)
+                    self._metrics.upstream_failovers.labels(request.stage, REROUTED).inc()
+                    continue
                 if failed.reason != "negotiated":
                     failures += 1
                     failed_on[route.name] = failed.reason
@@ -184,14 +208,52 @@ class Upstream:
                     self._metrics.upstream_restarts.labels(request.stage).inc()
                     await on_restart()
 
-    def _pick(self, request: ChatRequest, failed_on: Mapping[str, str]) -> Route:
+    async def _probe_for(self, route: Route) -> int | None:
+        """The probe id when this call is to be its deployment's probe (0: a plain call),
+        or None: another replica probes it now (or knows it open for longer), so this
+        call goes elsewhere. The probe is claimed before the gate and the budget, so no
+        other call of this process takes it meanwhile."""
+        breaker = route.breaker
+        if not breaker.would_probe(self._clock.now()):
+            return 0
+        shared = self._shared_breakers
+        if shared is not None:
+            wait_s = await shared.claim_probe(breaker)
+            if wait_s is not None:
+                breaker.probed_elsewhere(self._clock.now(), wait_s)
+                return None
+            if breaker.state == CLOSED:  # closed by another call meanwhile
+                shared.probe_ended(breaker)
+                return 0
+        probe = breaker.begin(self._clock.now())
+        if not probe and shared is not None:  # changed during the claim: not ours to hold
+            shared.probe_ended(breaker)
+        return probe or None
+
+    def _pick(self, request: ChatRequest, failed_on: Mapping[str, str], deadline: float) -> Route:
         try:
             return self.router.pick(
-                request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on
+                request.stage,
+                lambda r: r.limiter_tokens(r.estimate(request)),
+                avoid=failed_on,
+                within_s=deadline - self._clock.now(),
             )
         except NoRoute as none:
             log.warning("%s call: no deployment can take it for %.1f s", request.stage, none.wait_s)
-            raise UpstreamUnavailable(retry_after_s=max(1.0, none.wait_s)) from None
+            raise self._none_left(request.stage, none.wait_s) from None
+
+    def _none_left(self, stage: str, wait_s: float) -> ScanFailed:
+        """Every deployment serving `stage` is out: the error says why. Refused keys or
+        missing deployments are the operator's to fix, not a wait's (`UPSTREAM_REJECTED`);
+        exhausted quotas likewise (`UPSTREAM_QUOTA_EXHAUSTED`); else a retryable
+        `UPSTREAM_UNAVAILABLE` with when the first comes back."""
+        routes = self.router.by_stage.get(stage, [])
+        if routes and all(r.breaker.out for r in routes):
+            if all(r.breaker.reason == QUOTA_REASON for r in routes):
+                return UpstreamQuotaExhausted()
+            if not any(r.breaker.reason == QUOTA_REASON for r in routes):
+                return UpstreamRejected(REJECTED_KEY_MESSAGE)
+        return UpstreamUnavailable(retry_after_s=max(1.0, wait_s))
 
     async def _before_next(
         self,
@@ -212,7 +274,7 @@ class Upstream:
         self._metrics.upstream_retries.labels(route.model, failed.reason).inc()
         try:
             following = self.router.pick(
-                request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on
+                request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on, within_s=left
             )
         except NoRoute:  # every deployment taken out (a key, a deployment, a quota): that is the answer
             self._give_up(request, failed, failures)
@@ -247,60 +309,99 @@ class Upstream:
         deadline: float,
         read_stream: ReadStream | None,
         result: ChatResult,
+        probe: int,
     ) -> None:
+        """One attempt on `route`; `probe`: its breaker's probe id when this call is the
+        probe (freed here unless the call gives its verdict)."""
         budget = route.budget
         gate = self.gates[call.stage]
         m = self._metrics
-        async with gate.hold() as gate_wait:
-            m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
-            budget_started = time.perf_counter()
-            try:
-                reservation = await budget.reserve(call.reservation_tokens, deadline=deadline)
-            except BudgetDeadlineExceeded:
-                raise ScanDeadlineExceeded(
-                    "The model's rate budget could not be had before the deadline."
-                ) from None
-            budget_wait = time.perf_counter() - budget_started
-            m.budget_wait.labels(call.model).observe(budget_wait)
-            m.stage_queue.labels(call.stage, "budget").observe(budget_wait)
-            result.queue_s += gate_wait + budget_wait
-            m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
-            mean = self._tokens_per_call.get(call.stage, float(reservation.tokens))
-            self._tokens_per_call[call.stage] = mean + 0.05 * (reservation.tokens - mean)
-            m.upstream_routed.labels(route.name, call.stage).inc()
-            breaker = route.breaker
-            probe = breaker.begin(self._clock.now())
-            verdicts = breaker.verdicts
-            started = time.perf_counter()
-            self.reservations_open += 1
-            route.in_flight += 1
-            overloaded: bool | None = None  # None: the call said nothing (cancelled)
-            try:
-                await self._call(route, call, reservation, read_stream, result)
-                breaker.succeeded(self._clock.now())
-                overloaded = False
-            except AttemptFailed as failed:
-                overloaded = failed.reason in OVERLOAD_REASONS
-                if breaker.verdicts == verdicts:  # the reply's fault, not told to the breaker yet
-                    if failed.reason in BROKEN_REPLIES:
-                        breaker.failed(self._clock.now(), failed.reason)
-                    else:  # it answered (a refusal, a filter, a cap, a 400): it is up
-                        breaker.succeeded(self._clock.now())
+        breaker = route.breaker
+        try:
+            async with gate.hold() as gate_wait:
+                m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
+                budget_started = time.perf_counter()
+                try:
+                    reservation = await self._reserve(route, call, deadline, probe)
+                except BudgetDeadlineExceeded:
+                    # Not this deployment's fault: another one's budget may take the call in time.
+                    wait_s = budget.predicted_wait(call.reservation_tokens)
+                    raise AttemptFailed(
+                        UpstreamRateLimited(BUDGET_SPENT_MESSAGE), retry=True, reason="budget", wait_s=wait_s
+                    ) from None
+                budget_wait = time.perf_counter() - budget_started
+                m.budget_wait.labels(call.model).observe(budget_wait)
+                m.stage_queue.labels(call.stage, "budget").observe(budget_wait)
+                result.queue_s += gate_wait + budget_wait
+                m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
+                mean = self._tokens_per_call.get(call.stage, float(reservation.tokens))
+                self._tokens_per_call[call.stage] = mean + 0.05 * (reservation.tokens - mean)
+                m.upstream_routed.labels(route.name, call.stage).inc()
+                verdicts = breaker.verdicts
+                started, sent_at = time.perf_counter(), self._clock.now()
+                self.reservations_open += 1
+                route.in_flight += 1
+                overloaded: bool | None = None  # None: the call said nothing (cancelled)
+                try:
+                    await self._call(route, call, reservation, read_stream, result)
+                    breaker.succeeded(self._clock.now(), sent_at)
+                    overloaded = False
+                except AttemptFailed as failed:
+                    overloaded = failed.reason in OVERLOAD_REASONS
+                    if breaker.verdicts == verdicts:  # the reply's fault, not told to the breaker yet
+                        if failed.reason in BROKEN_REPLIES:
+                            breaker.failed(self._clock.now(), failed.reason)
+                        else:  # it answered (a refusal, a filter, a cap, a 400): it is up
+                            breaker.succeeded(self._clock.now(), sent_at)
+                    raise
+                finally:
+                    route.in_flight -= 1
+                    self.reservations_open -= 1
+                    # Whatever happened (success, error, cancellation), the reservation is
+                    # settled exactly once; an unsettled one here means "spent as reserved".
+                    reservation.settle(reservation.tokens)
+                    elapsed = time.perf_counter() - started
+                    if overloaded is not None:
+                        gate.observe(elapsed, overloaded=overloaded)
+                    result.service_s += elapsed
+                    m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
+        finally:
+            if probe:  # no verdict (cancelled, or never sent): the next call may probe
+                breaker.released(probe)
+
+    async def _reserve(self, route: Route, call: ChatCall, deadline: float, probe: int) -> Reservation:
+        """The call's reservation on `route`'s budget. A call that is not the probe does not
+        go to a deployment whose breaker opened before it was sent (while it queued for the
+        budget, say): it leaves the queue at once and is `REROUTED`, when another
+        deployment can take it."""
+        budget, breaker = route.budget, route.breaker
+        if probe or not self._elsewhere(route):
+            return await budget.reserve(call.reservation_tokens, deadline=deadline)
+        if breaker.state != CLOSED:
+            raise AttemptFailed(UpstreamUnavailable(), retry=True, reason=REROUTED)
+        opened = False
+        try:
+            async with asyncio.timeout(None) as waiting:
+
+                def on_open() -> None:
+                    nonlocal opened
+                    opened = True
+                    waiting.reschedule(asyncio.get_running_loop().time())  # leave the queue now
+
+                breaker.watch_open(on_open)
+                try:
+                    return await budget.reserve(call.reservation_tokens, deadline=deadline)
+                finally:
+                    breaker.unwatch_open(on_open)
+        except TimeoutError:
+            if not opened:
                 raise
-            finally:
-                if probe and breaker.verdicts == verdicts:  # cancelled: no word on the deployment
-                    breaker.released()
-                route.in_flight -= 1
-                self.reservations_open -= 1
-                # Whatever happened (success, error, cancellation), the reservation is
-                # settled exactly once; an unsettled one here means "spent as reserved".
-                reservation.settle(reservation.tokens)
-                elapsed = time.perf_counter() - started
-                if overloaded is not None:
-                    gate.observe(elapsed, overloaded=overloaded)
-                result.service_s += elapsed
-                m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
-                self._show_state(route)
+            raise AttemptFailed(UpstreamUnavailable(), retry=True, reason=REROUTED) from None
+
+    def _elsewhere(self, route: Route) -> bool:
+        """Can another deployment take `route`'s stage now?"""
+        now = self._clock.now()
+        return any(r is not route and r.breaker.ready(now) for r in self.router.by_stage.get(route.stage, []))
 
     async def _call(
         self,
@@ -392,8 +493,8 @@ class Upstream:
             # A 429 is not counted by the upstream: give the reservation back.
             reservation.settle(None)
             if info.code == "insufficient_quota":
-                route.breaker.take_out(now, "insufficient_quota", QUOTA_COOLDOWN_S)
-                return AttemptFailed(UpstreamQuotaExhausted(), retry=True, reason="insufficient_quota")
+                route.breaker.take_out(now, QUOTA_REASON, QUOTA_COOLDOWN_S)
+                return AttemptFailed(UpstreamQuotaExhausted(), retry=True, reason=QUOTA_REASON)
             route.budget.pause(wait_s if wait_s is not None else 1.0)
             route.breaker.failed(now, "429", wait_s)
             return AttemptFailed(UpstreamRateLimited(), retry=True, reason="429", wait_s=wait_s)
@@ -405,7 +506,8 @@ class Upstream:
         message = (info.message or content.decode("utf-8", "replace"))[:MAX_ERROR_BODY_CHARS]
         if status in OUT_STATUSES:
             route.breaker.take_out(now, f"{status}: {message}", OUT_RETRY_S)
-            return AttemptFailed(UpstreamRejected(), retry=True, reason=status_class)
+            # Another deployment may take the call; with none left, the scan ends here.
+            return AttemptFailed(UpstreamRejected(REJECTED_KEY_MESSAGE), retry=True, reason=status_class)
         parameter = provider.refused_parameter(status, info)
         negotiation = route.negotiation
         if parameter is not None and (negotiation.learn(parameter) or negotiation.version != sent_version):
@@ -429,8 +531,3 @@ class Upstream:
 
     def _count(self, call: ChatCall, status: str) -> None:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
-
-    def _show_state(self, route: Route) -> None:
-        breaker = route.breaker
-        state = 3 if breaker.out else {CLOSED: 0, HALF_OPEN: 2}.get(breaker.state, 1)
-        self._metrics.upstream_state.labels(route.name).set(state)

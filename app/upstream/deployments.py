@@ -13,6 +13,7 @@ So a budget belongs to a limit group and a model, never to a key.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -52,6 +53,13 @@ class Deployment:
         """The budget this deployment's calls to `model` spend: its limit group's. The
         implicit deployment (no group) keys by model alone, as budgets always did."""
         return f"{self.limit_group}/{model}" if self.limit_group else model
+
+    def health_id(self) -> str:
+        """Who shares this deployment's health across replicas: its name and a digest of
+        where it is and the key it uses (a deployment taken out for its key comes back
+        fresh when the key changes, instead of staying out on the others' word)."""
+        where = "\0".join((self.provider, self.base_url, self.api_version or "", self.api_key or ""))
+        return f"{self.name}:{hashlib.sha256(where.encode()).hexdigest()[:12]}"
 
 
 def parse_deployments(

@@ -5,13 +5,15 @@ shaped for that model, its provider's body rules, what it refused so far).
 
 `Router.pick` chooses a route per attempt: among the stage's routes whose breaker lets
 a call through (all but those taken out, when every one is open), the lowest
-`priority`; within it, the one whose budget admits the call soonest, ties broken by
-fewest calls in flight; routes that already failed this call only when nothing else
-is left.
+`priority` whose budgets can admit the call before its deadline; within it, the one
+whose budget admits the call soonest, ties broken by fewest calls in flight; routes that
+already failed this call only when nothing else is left. `Router.predicted_wait`, what
+admission asks, spends the routes' capacity in the same order.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,8 +112,11 @@ class NoRoute(Exception):
 
 
 class Router:
-    def __init__(self, routes: Sequence[Route], clock: Clock) -> None:
+    def __init__(self, routes: Sequence[Route], clock: Clock, *, spill_after_s: float = math.inf) -> None:
+        """`spill_after_s`: the longest a call waits for a priority's budgets while the
+        next priority's could take it sooner (`MAX_BUDGET_WAIT_S`, what admission accepts)."""
         self._clock = clock
+        self._spill_after_s = spill_after_s
         self.by_stage: dict[str, list[Route]] = {}
         for route in routes:
             self.by_stage.setdefault(route.stage, []).append(route)
@@ -121,10 +126,18 @@ class Router:
         return [route for routes in self.by_stage.values() for route in routes]
 
     def pick(
-        self, stage: str, tokens: Callable[[Route], int], *, avoid: Mapping[str, object] | None = None
+        self,
+        stage: str,
+        tokens: Callable[[Route], int],
+        *,
+        avoid: Mapping[str, object] | None = None,
+        within_s: float | None = None,
     ) -> Route:
         """The route the next attempt of a `stage` call takes (see the module docstring).
-        `tokens(route)`: what the call would reserve there."""
+        `tokens(route)`: what the call would reserve there; `within_s`: the time left to
+        the call's deadline. A priority whose budgets cannot admit the call by then, or
+        within `spill_after_s`, is passed over for the next (with none that can, the
+        route that admits it soonest)."""
         now = self._clock.now()
         routes = self.by_stage.get(stage, [])
         # With every route open, the calls go on anyway (a breaker steers calls between
@@ -134,25 +147,77 @@ class Router:
             soonest = min((r.breaker.open_until for r in routes), default=now + 1.0)
             raise NoRoute(stage, max(0.0, soonest - now))
         fresh = [r for r in ready if not avoid or r.name not in avoid] or ready
-        top = min(r.deployment.priority for r in fresh)
-        candidates = [r for r in fresh if r.deployment.priority == top]
-        if len(candidates) == 1:
-            return candidates[0]
-        return min(candidates, key=lambda r: (r.budget.predicted_wait(tokens(r)), r.in_flight))
+        waits: dict[int, float] = {}
+
+        def wait(route: Route) -> float:
+            if id(route) not in waits:
+                waits[id(route)] = route.budget.predicted_wait(tokens(route))
+            return waits[id(route)]
+
+        if len(fresh) == 1:  # nowhere else to go: no budget to ask (its queue may be long)
+            return fresh[0]
+        limit = min(math.inf if within_s is None else within_s, self._spill_after_s)
+        best: Route | None = None
+        for level in _by_priority(fresh):
+            if len(level) == 1 and limit == math.inf:
+                return level[0]
+            first = min(level, key=lambda r: (wait(r), r.in_flight))
+            if wait(first) <= limit:
+                return first
+            if best is None or wait(first) < wait(best):
+                best = first
+        assert best is not None  # `fresh` is never empty
+        return best
 
     def predicted_wait(self, stage: str, tokens: Callable[[Route], int], *, ahead: int) -> float:
-        """How long a new `stage` call would wait for a budget behind `ahead` calls, with the
-        calls shared over the routes by their request rates: admission's look-ahead counts
-        the capacity of every route. Open breakers count as closed when every route is open
-        (calls then go on at the retry policy's pace, probing); routes taken out do not count
-        (nothing waits for them but their cooldown)."""
+        """How long a new `stage` call would wait for a budget behind `ahead` calls:
+        admission's look-ahead counts the capacity of every route, as `pick` spends it.
+        The calls go to the lowest priority first, shared over its routes by their request
+        rates; what it cannot admit within `spill_after_s` (past which `pick` passes a
+        priority over) falls to the next. Open breakers count as closed
+        when every route is open (calls then go on at the retry policy's pace, probing);
+        routes taken out do not count (nothing waits for them but their cooldown)."""
         now = self._clock.now()
         routes = self.by_stage.get(stage, [])
         usable = [r for r in routes if r.breaker.ready(now)] or [r for r in routes if not r.breaker.out]
-        if not usable:
-            return max(0.0, min((r.breaker.open_until for r in routes), default=now) - now)
-        total_rate = sum(r.budget.effective_rpm for r in usable) or 1
-        return min(
-            r.budget.predicted_wait(tokens(r), ahead=round(ahead * r.budget.effective_rpm / total_rate))
-            for r in usable
-        )
+        if not usable:  # every one taken out: no budget to wait for, the call fails at once and says why
+            return 0.0
+        horizon_s = self._spill_after_s
+        wait = 0.0
+        for level in _by_priority(usable):
+            total_rate = sum(r.budget.effective_rpm for r in level) or 1
+            wait = min(
+                r.budget.predicted_wait(tokens(r), ahead=round(ahead * r.budget.effective_rpm / total_rate))
+                for r in level
+            )
+            if wait <= horizon_s:
+                return wait
+            ahead -= sum(_admitted_within(r.budget, tokens(r), horizon_s) for r in level)
+            if ahead < 0:  # this priority takes them all, and the new call next
+                return horizon_s
+        return wait
+
+
+def _by_priority(routes: Sequence[Route]) -> list[list[Route]]:
+    """`routes` grouped by priority, the lowest (tried first) first."""
+    levels: dict[int, list[Route]] = {}
+    for route in routes:
+        levels.setdefault(route.deployment.priority, []).append(route)
+    return [levels[p] for p in sorted(levels)]
+
+
+def _admitted_within(budget: RateBudget, tokens: int, seconds: float) -> int:
+    """How many calls of `tokens` the budget admits within `seconds` (its queue first):
+    the largest `ahead` whose next call still waits no longer, by doubling then bisecting."""
+    if budget.predicted_wait(tokens) > seconds:
+        return 0
+    low, high = 0, 1
+    while budget.predicted_wait(tokens, ahead=high) <= seconds:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if budget.predicted_wait(tokens, ahead=middle) <= seconds:
+            low = middle
+        else:
+            high = middle
+    return low + 1

@@ -393,6 +393,11 @@ class ReadinessChecks(BaseModel):
     accepting: str = Field(description='"yes", or "no (shutting down)" once the shutdown drain began.')
     database: str = Field(description='"ok", or "unreachable" (no answer within 1 s).')
     upstream: str = Field(description='"simulator" (the built-in OpenAI simulator) or "configured".')
+    upstreams: dict[str, str] = Field(
+        description='Each deployment\'s breaker: "closed", "probing (why)", or "open for N s more (why)" / '
+        '"out for N s more (why)" (taken out: a refused key, a missing deployment, an exhausted quota). '
+        "Shown, not judged: readiness does not turn on them."
+    )
 
 
 class Readiness(BaseModel):
