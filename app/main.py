@@ -45,7 +45,7 @@ def create_app(
             try:
                 with (
                     # Start-up objects frozen from here; full collections wait out crowds.
-                    tuned_heap(settings.gc_young_threshold, in_flight=resources.admission.in_flight_now),
+                    tuned_heap(settings.gc_young_threshold, in_flight=lambda: resources.admission.in_flight),
                     timed_collections(resources.metrics.observe_gc_pause),
                 ):
                     yield {"resources": resources}

@@ -178,6 +178,7 @@ async def test_admission_and_the_cpu_queue_follow_the_gates() -> None:
         gates=gates,
         gate_limits=limiters,
         stage_rate=rates.__getitem__,
+        stage_requests=lambda _stage: 0,  # no scans yet: every stage counts for all
         admission=admission,
         admission_spec=LimitSpec(),
         admission_ceiling=5000,

@@ -30,7 +30,7 @@ and at least as long as the oldest call still in progress (a call running for t 
 shows the latency is t or more), so the limit rises while a slow upstream's first
 calls are still out.
 
-Pure: time comes in as arguments (`update(now)`), so tests drive it with a fake clock.
+Pure: no clock of its own; each `update` is one interval, so tests drive it step by step.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ TOLERANCE = 1.5
 LITTLE_HEADROOM = 0.5
 # A 429, 503 or timeout in an interval multiplies the limit by this.
 BACKOFF = 0.7
-# The worst a single interval's latency can cut the limit by (Gradient2's 0.5).
+# The lowest latency ratio counted (Gradient2's 0.5); with `SMOOTHING`, one interval cuts
+# the limit by at most 15 %.
 MIN_GRADIENT = 0.5
 # How much of a rise in latency one interval acts on: noise is smoothed, a real rise
 # still halves the limit within a few intervals.
@@ -107,7 +108,7 @@ class AdaptiveLimit:
         self._samples += 1
 
     def in_use(self, count: int) -> None:
-        """How many slots are held now (called whenever a slot is taken)."""
+        """The most slots held at once during this interval."""
         self._most_in_use = max(self._most_in_use, count)
 
     def update(self, *, rate_per_s: float, oldest_in_progress_s: float = 0.0) -> LimitChange:
@@ -139,11 +140,16 @@ class AdaptiveLimit:
         """The limit this interval's latency and outcomes call for, before Little's bound."""
         if self._overloads:
             return self._limit * BACKOFF, "backoff"
-        if self.latency_s is not None and self.baseline_s is not None:
+        if not self._samples:
+            return self._limit, "steady"  # no reply this interval: nothing new to act on
+        if self.latency_s and self.baseline_s:
             gradient = max(MIN_GRADIENT, min(1.0, TOLERANCE * self.baseline_s / self.latency_s))
             if gradient < 1.0:
                 return self._limit * (1 - SMOOTHING + SMOOTHING * gradient), "gradient"
-        if self._most_in_use >= SATURATED * self._limit:
+        if self.reason in ("backoff", "gradient"):
+            # Just cut: the slots held were taken under the old limit and say nothing yet.
+            return self._limit, "steady"
+        if self._most_in_use >= SATURATED * self.limit:
             # Healthy and every slot used, no budget to say how many are enough: grow; the
             # latency stops it where the upstream has had enough.
             return self._limit * GROWTH, "grow"
@@ -157,8 +163,6 @@ class AdaptiveLimit:
                 self.baseline_s = recent
             else:
                 self.baseline_s += BASELINE_RISE * (recent - self.baseline_s)
-        elif self.latency_s is None:
+        elif self.latency_s is None and oldest_in_progress_s > self._prior_latency_s:
             # Nothing finished yet: what is still running says how long calls take at least.
-            self.latency_s = None if oldest_in_progress_s <= self._prior_latency_s else oldest_in_progress_s
-        elif oldest_in_progress_s > self.latency_s:
-            self.latency_s = oldest_in_progress_s  # nothing came back this interval: calls got slower
+            self.latency_s = oldest_in_progress_s

@@ -163,9 +163,6 @@ class Admission:
                 raise ServerBusy(retry_after_s=self._retry_after_busy()) from None
             raise
 
-    def in_flight_now(self) -> int:
-        return self.in_flight
-
     def resize(self, max_inflight: int) -> None:
         """A new global cap: a rise admits waiters at once; a fall takes effect as scans end."""
         self.max_inflight = max_inflight

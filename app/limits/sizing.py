@@ -109,7 +109,7 @@ class Sizing:
         gates: Mapping[str, StageGate],
         gate_limits: Mapping[str, AdaptiveLimit],
         stage_rate: Callable[[str], float],
-        stage_requests: Callable[[str], int] = lambda _stage: 0,
+        stage_requests: Callable[[str], int],
         admission: Admission,
         admission_spec: LimitSpec,
         admission_ceiling: int,
@@ -151,7 +151,10 @@ class Sizing:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug here must not freeze every limit where it stands
+                log.exception("sizing the limits failed; trying again in %.0f s", self._interval_s)
 
     def step(self) -> None:
         """One interval: gates first (admission follows them), then the CPU lane's queue."""

@@ -22,8 +22,8 @@ costs under load: docs/benchmarks.md, CPU per completed scan, k6/cpu_per_scan.py
   and its traceback's frames, every closed asyncio transport) is freed within about
   that time, however slowly the allocation count moves (start-up objects excepted:
   frozen, a cycle among them is never freed);
-- collects the middle generation after every young collection, so neither walks more
-  than about two young generations' objects: the young pauses stay short however many
+- collects the middle generation every other young collection, so neither walks more
+  than a few young generations' objects: the young pauses stay short however many
   scans are in flight, and survivors move on to the old generation, which no automatic
   collection walks.
 

@@ -114,7 +114,7 @@ class Upstream:
         # Per stage, a running mean of the tokens one call reserves: what a budget's TPM
         # means in calls per second.
         self._tokens_per_call: dict[str, float] = {}
-        # Requests made per stage (each with its retries): how many of the scans call it.
+        # Requests made per stage (one each, however many attempts): how many scans call it.
         self.requests: dict[str, int] = {}
 
     @property
@@ -141,13 +141,13 @@ class Upstream:
         scans (a vision reply from the cache makes no call), and a gate sized for the whole
         budget costs nothing while the budget, not the gate, holds the calls back."""
         tokens = self._tokens_per_call.get(stage)
+        # Deployments of one limit group share one budget: counted once.
+        budgets = {id(r.budget): r.budget for r in self.router.by_stage.get(stage, []) if not r.breaker.out}
         rate = 0.0
-        for route in self.router.by_stage.get(stage, []):
-            if route.breaker.out:
-                continue
-            calls = route.budget.effective_rpm / 60
+        for budget in budgets.values():
+            calls = budget.effective_rpm / 60
             if tokens:
-                calls = min(calls, route.budget.effective_tpm / 60 / tokens)
+                calls = min(calls, budget.effective_tpm / 60 / tokens)
             rate += calls
         return rate
 
