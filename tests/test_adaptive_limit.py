@@ -239,3 +239,25 @@ async def test_a_higher_admission_cap_lets_waiters_in_at_once() -> None:
     ticket = await asyncio.wait_for(third, 1.0)
     ticket.release()
     assert admission.in_flight == 0
+
+
+async def test_waiters_that_give_up_leave_the_count_and_the_order_intact() -> None:
+    gate = StageGate("vision", 1)
+    release = asyncio.Event()
+    order: list[int] = []
+
+    async def call(n: int) -> None:
+        async with gate.hold():
+            order.append(n)
+            await release.wait()
+
+    tasks = [asyncio.create_task(call(n)) for n in range(6)]
+    await asyncio.sleep(0)
+    assert (gate.in_use, gate.waiting) == (1, 5)
+    for n in (1, 3, 4):  # give up while queued
+        tasks[n].cancel()
+    await asyncio.sleep(0)
+    assert gate.waiting == 2
+    release.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert order == [0, 2, 5] and (gate.in_use, gate.waiting) == (0, 0)

@@ -28,7 +28,10 @@ class StageGate:
         self._limit = limit
         self.in_use = 0
         self.most_in_use = 0  # since `take_most_in_use` last read it
+        # FIFO of waiters; one that gave up stays in it, done, until `_wake` passes it by
+        # (removing it from the middle would cost a walk of the queue per give-up).
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiting = 0
         # When each holder took its slot, oldest first (dicts keep insertion order).
         self._held_since: dict[int, float] = {}
         self._tokens = itertools.count()
@@ -53,7 +56,7 @@ class StageGate:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return self._waiting
 
     def oldest_held_s(self) -> float:
         """How long the longest holder has held its slot (0 when none does)."""
@@ -76,7 +79,7 @@ class StageGate:
     async def hold(self) -> AsyncIterator[float]:
         """Hold a slot for the body; yields the seconds spent waiting for it."""
         started = time.perf_counter()
-        if self.in_use < self._limit and not self._waiters:
+        if self.in_use < self._limit and not self._waiting:
             self._take()
         else:
             await self._wait()
@@ -99,19 +102,22 @@ class StageGate:
         behalf, so no newcomer slips in between the release and the waiter's wake-up."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
+        self._waiting += 1
         try:
             await waiter
         except BaseException:
             if waiter.done() and not waiter.cancelled():
                 self.in_use -= 1  # handed a slot just as it was cancelled: pass it on
                 self._wake()
-            elif waiter in self._waiters:
-                self._waiters.remove(waiter)
+            else:
+                waiter.cancel()  # left in the queue, done: `_wake` passes it by
+                self._waiting -= 1
             raise
 
     def _wake(self) -> None:
         while self._waiters and self.in_use < self._limit:
             waiter = self._waiters.popleft()
             if not waiter.done():
+                self._waiting -= 1
                 self._take()
                 waiter.set_result(None)
