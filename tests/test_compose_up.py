@@ -7,20 +7,19 @@
 2. Scans through the balancer complete and are spread over the replicas; Prometheus
    scrapes all three (its targets, and `up`) and has loaded the alerting rules.
 3. A replica is SIGKILLed while it streams a scan's answer, and the client reads on
-   through the balancer from another replica with `Last-Event-ID`. What the service does
-   today (taking the scan over is another issue's work): the other replica follows the
-   scan's Redis Stream, so the client gets every event the owner had mirrored before it
-   died, identical to what the owner sent, and then nothing more — no terminal event —
-   while the scan's row still says `running`; once a sweep has marked the scan
-   PROCESS_LOST, that stream ends (still without a terminal event), a further resume gets
-   410 SCAN_EVENTS_UNAVAILABLE and the status says `failed`. The killed replica is
+   through the balancer from another replica with `Last-Event-ID`: the other replica
+   follows the scan's Redis Stream, so the client gets every event the owner had mirrored
+   before it died, identical to what the owner sent; once the owner's lease has lapsed and
+   it holds no database connection, a live replica takes the scan over
+   (app/scans/liveness.py) and the client's stream goes on to one `done`, its seq
+   unbroken, the row `completed` under the new owner's instance. The killed replica is
    restarted by its restart policy; the balancer and Prometheus follow it to its new
    address.
 
-The sweep runs at a replica's start-up and every 30 s in each, so it could come between
-the kill and the resume and turn the resume into a 410 at once: the test holds it off by
-keeping one PostgreSQL session under the dead instance's name (the sweep's proof of life)
-until it has read what was mirrored, then lets it go.
+Takeover (like the sweep) waits for the dead instance to hold no PostgreSQL session, so
+it could come between the kill and the resume: the test holds it off by keeping one
+session under the dead instance's name until it has read what was mirrored, then lets
+it go.
 
 The base image comes from deploy/base-image/build.sh (cached by tag), the others from
 `docker-compose build` on it (docker's layer cache: unchanged, a rebuild takes seconds).
@@ -574,19 +573,24 @@ async def test_a_scan_whose_replica_is_sigkilled_is_read_on_through_another(
                 assert event == received[seq - 1]
         assert not resumed.terminals() and not resumed_task.done()
 
-        # The sweep: the scan is marked PROCESS_LOST, and the follower's stream ends,
-        # without a terminal event (the scan's end is in its row, not in its events).
+        # Once the owner holds no connection either, a live replica takes the scan over
+        # (its lease lapsed long ago): it runs on from the mirrored log, and the follower's
+        # stream ends with the one terminal event, `done`, its seq going on unbroken.
         await asyncio.to_thread(_let_the_sweep_run, stack, tag)
-        await asyncio.wait_for(resumed_task, 60)
-        assert not resumed.terminals()
-        note("the scan was swept; the resumed stream ended without a terminal event")
-        again = await client.get(
-            f"/api/v1/scan/{scan_id}/events", headers={**headers, "Last-Event-ID": str(after)}
+        await asyncio.wait_for(resumed_task, 90)
+        terminals = resumed.terminals()
+        assert [e.event for e in terminals] == ["done"] and resumed.events[-1] is terminals[0], terminals
+        assert resumed.seqs() == list(range(after + 1, after + 1 + len(resumed.events)))
+        note(
+            f"taken over by another replica: the resumed stream ended with done (event {resumed.seqs()[-1]})"
         )
-        assert again.status_code == 410 and again.json()["code"] == "SCAN_EVENTS_UNAVAILABLE", again.text
         status = await client.get(f"/api/v1/scan/{scan_id}", headers=headers)
         assert status.status_code == 200, status.text
-        assert status.json()["status"] == "failed" and status.json()["finished_at"], status.text
+        assert status.json()["status"] == "completed" and status.json()["finished_at"], status.text
+        row_instance = await asyncio.to_thread(
+            stack.psql, f"SELECT instance_id FROM scans WHERE id = '{scan_id}'"
+        )
+        assert uuid.UUID(row_instance) != uuid.UUID(instance), "the row is the dead owner's still"
 
     # The killed replica is back (restart policy), at an address the balancer and
     # Prometheus found by DNS.
@@ -653,4 +657,5 @@ def _hold_the_sweep_off(stack: Stack, tag: str) -> None:
 
 
 def _let_the_sweep_run(stack: Stack, tag: str) -> None:
+    """Ends the session that held the sweep and the takeover off."""
     stack.psql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{tag}'")
