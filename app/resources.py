@@ -24,7 +24,7 @@ import asyncpg
 from app.db.characters import Collections
 from app.db.embedded import EmbeddedPostgres
 from app.db.migrations import apply_migrations, bundled_migrations
-from app.db.pool import create_pool, tagged_dsn
+from app.db.pool import create_pool, pool_size, tagged_dsn
 from app.db.taxonomy import Taxonomy, load_taxonomy
 from app.images.limits import ImageLimits
 from app.intake.acceptance import ScanAcceptance
@@ -199,8 +199,15 @@ async def lifespan_resources(
 
 
 async def _pool(settings: Settings, dsn: str, stack: AsyncExitStack) -> asyncpg.Pool[asyncpg.Record]:
+    spec = settings.limit("db_pool_max")
+    size = spec.fixed
+    if size is None:
+        size = await pool_size(
+            dsn, min_size=settings.db_pool_min, cap=spec.cap, timeout_s=settings.db_timeout_s
+        )
+        log.info("database pool: up to %d connections (DB_POOL_MAX=auto)", size)
     pool = await create_pool(
-        dsn, min_size=settings.db_pool_min, max_size=settings.db_pool_max, timeout_s=settings.db_timeout_s
+        dsn, min_size=settings.db_pool_min, max_size=size, timeout_s=settings.db_timeout_s
     )
     stack.push_async_callback(_bounded_close, "database pool", pool.close, pool.terminate)
     return pool

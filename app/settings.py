@@ -41,7 +41,7 @@ class Settings:
     database_url: str | None = None
     embedded_pg_dir: str = ".ecoscan/pgdata"
     db_pool_min: int = 2
-    db_pool_max: int = 20
+    db_pool_max: str | int = "auto"  # `auto`: app/db/pool.py's pool_size
     db_timeout_s: float = 5.0
     shutdown_drain_s: float = 25.0
 
@@ -156,7 +156,8 @@ class Settings:
         for name in SIZED_LIMITS:  # a number is fixed: kept as one
             if (fixed := self.limit(name).fixed) is not None:
                 object.__setattr__(self, name, fixed)
-        if self.db_pool_min > self.db_pool_max:
+        pool_max = self.limit("db_pool_max")
+        if self.db_pool_min > (pool_max.fixed or pool_max.cap or self.db_pool_min):
             raise SettingsError("DB_POOL_MIN must not exceed DB_POOL_MAX")
         if self.vision_detail not in ("low", "high", "auto"):
             raise SettingsError(f"VISION_DETAIL must be low, high or auto, got {self.vision_detail!r}")
@@ -309,7 +310,13 @@ class Settings:
 
 
 # Limits the process sizes itself unless they are given a number (app/limits/sizing.py).
-SIZED_LIMITS = ("vision_concurrency", "answer_concurrency", "max_inflight_scans", "cpu_queue_limit")
+SIZED_LIMITS = (
+    "vision_concurrency",
+    "answer_concurrency",
+    "max_inflight_scans",
+    "cpu_queue_limit",
+    "db_pool_max",
+)
 # Settings whose default is derived (from the box): `auto` asks for that default.
 _AUTO_IS_DEFAULT = frozenset({"cpu_max_workers"})
 

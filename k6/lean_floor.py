@@ -55,7 +55,7 @@ import yarl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `app`, under uvicorn --app-dir k6
 
 from app.db.migrations import apply_migrations, bundled_migrations
-from app.db.pool import create_pool, tagged_dsn
+from app.db.pool import create_pool, pool_size, tagged_dsn
 from app.db.taxonomy import Classification, Taxonomy, load_taxonomy
 from app.scans.runner import progress_spans
 from app.settings import Settings
@@ -234,12 +234,12 @@ class LeanFloor:
             raise RuntimeError("DATABASE_URL, OPENAI_BASE_URL and OPENAI_API_KEY must be set")
         self.instance_id = uuid.uuid4()
         # ecoscan's own pool: its size, timeouts, orjson jsonb codec and no reset on release.
-        self.pool = await create_pool(
-            tagged_dsn(s.database_url, self.instance_id),
-            min_size=s.db_pool_min,
-            max_size=s.db_pool_max,
-            timeout_s=s.db_timeout_s,
+        dsn = tagged_dsn(s.database_url, self.instance_id)
+        pool = s.limit("db_pool_max")
+        size = pool.fixed or await pool_size(
+            dsn, min_size=s.db_pool_min, cap=pool.cap, timeout_s=s.db_timeout_s
         )
+        self.pool = await create_pool(dsn, min_size=s.db_pool_min, max_size=size, timeout_s=s.db_timeout_s)
         async with self.pool.acquire() as conn:
             await apply_migrations(conn, bundled_migrations())
             self.taxonomy = await load_taxonomy(conn)

@@ -25,6 +25,35 @@ DB_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+# `DB_POOL_MAX=auto`: at most this many connections, and at most half of what the server
+# had free when the process started (replicas starting together then leave each other
+# room: a half, a quarter...). A scan holds a connection only for single statements, but
+# each is held until the loop reads its reply: with thousands of scans in flight the loop
+# lags and 20 connections queue the rows and the reward past DB_TIMEOUT_S
+# (docs/benchmarks.md, "Limits that size themselves").
+AUTO_POOL_MAX = 64
+
+
+async def pool_size(dsn: str, *, min_size: int, cap: int | None, timeout_s: float) -> int:
+    """`DB_POOL_MAX=auto`'s size: half the server's free connections, within
+    [min_size, min(cap, AUTO_POOL_MAX)]."""
+    conn = await asyncpg.connect(dsn, timeout=timeout_s)
+    try:
+        free = await conn.fetchval(_FREE_CONNECTIONS, timeout=timeout_s)
+    finally:
+        await conn.close(timeout=timeout_s)
+    most = min(cap, AUTO_POOL_MAX) if cap is not None else AUTO_POOL_MAX
+    return max(min_size, min(most, int(free) // 2))
+
+
+# Client connections the server can still take (background workers not counted).
+_FREE_CONNECTIONS = """
+SELECT current_setting('max_connections')::int
+     - current_setting('superuser_reserved_connections')::int
+     - (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')
+"""
+
+
 async def create_pool(
     dsn: str, *, min_size: int, max_size: int, timeout_s: float
 ) -> asyncpg.Pool[asyncpg.Record]:
