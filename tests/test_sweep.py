@@ -167,7 +167,7 @@ def test_auto_is_passed_when_the_service_reads_it_and_left_unset_when_not() -> N
         assert "CPU_MAX_WORKERS" not in run.service_settings()
         assert run.config["auto_unset"] == ["CPU_MAX_WORKERS"]
     assert run.service_settings()["VISION_CONCURRENCY"] == "8"
-    assert not accepts_auto("DB_POOL_MAX")  # a number the service reads only as a number
+    assert not accepts_auto("DB_POOL_MIN")  # a number the service reads only as a number
 
 
 def test_the_queue_split_reads_the_services_own_metrics() -> None:
