@@ -72,14 +72,17 @@ def service(
     logs: Path,
     procs: list[Proc],
     settings: dict[str, str] = SETTINGS,
+    backlog: int | None = None,
 ) -> str:
-    """Start `checkout`'s `app` (ready when this returns; in `procs` as soon as it runs)."""
+    """Start `checkout`'s `app` (ready when this returns; in `procs` as soon as it runs);
+    `backlog`: uvicorn's listen backlog, for thousands of users connecting at once."""
     app_dir, _, module = app.rpartition("/")
     port = free_port()
     # -P: not this checkout's working directory first on sys.path, but PYTHONPATH: each
     # service imports its own checkout's `app` package (--app-dir: an app in a folder).
     argv = [venv_python(), "-P", "-m", "uvicorn", module, "--http", "app.http.protocol:HttpToolsProtocol"]
     argv += ["--app-dir", str(checkout / app_dir), "--host", HOST, "--port", str(port), "--no-access-log"]
+    argv += ["--backlog", str(backlog)] if backlog else []
     env = {
         **os.environ,
         "PYTHONPATH": str(checkout),

@@ -28,8 +28,8 @@ import statistics
 import threading
 from pathlib import Path
 
-from cpu_per_scan import ANSWER_TOKENS, CACHES_OFF, SERVICE_RPM, SERVICE_TPM
-from cpu_side_by_side import START_TIMEOUT_S, WARMUP, seconds
+from cpu_per_scan import ANSWER_TOKENS
+from cpu_side_by_side import DEFAULTS, START_TIMEOUT_S, WARMUP, seconds, service
 from sweep.k6_run import K6_GRACE_S, run_k6
 from sweep.processes import (
     HOST,
@@ -46,13 +46,6 @@ from sweep.prometheus import LOOP_LAG, Window, scrape, total
 from sweep.sampler import Sampler
 
 ROOT = Path(__file__).resolve().parent.parent
-# Only what the load needs: everything the issue calls a limit stays at its default.
-SETTINGS = {
-    **CACHES_OFF,
-    "OPENAI_RPM": SERVICE_RPM,
-    "OPENAI_TPM": SERVICE_TPM,
-    "MAX_INFLIGHT_PER_USER": "100",
-}
 SCRAPE_EVERY_S = 1.0
 AFTER_SCRAPE_TRIES = 6
 
@@ -130,29 +123,16 @@ def run_point(
         sim_argv += ["--latency-sigma", args.latency_sigma, "--text-tokens", ANSWER_TOKENS]
         procs.append(sim := start("simulator", sim_argv, dict(os.environ), out / "sim.log"))
         wait_ready(sim, f"http://{HOST}:{sim_port}/sim/stats", START_TIMEOUT_S)
-        port = free_port()
-        app_dir, _, module = app.rpartition("/")
-        argv = [venv_python(), "-m", "uvicorn", module, "--http", "app.http.protocol:HttpToolsProtocol"]
-        argv += ["--app-dir", str(ROOT / app_dir), "--host", HOST, "--port", str(port), "--no-access-log"]
-        argv += ["--backlog", "4096"]
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "DATABASE_URL": args.database_url,
-            "OPENAI_API_KEY": "sim",
-            "OPENAI_BASE_URL": f"http://{HOST}:{sim_port}/v1",
-            **SETTINGS,
-            **extra,
-        }
-        procs.append(service := start("service", argv, env, out / "service.log"))
-        url = f"http://{HOST}:{port}"
-        wait_ready(service, url + "/readyz", START_TIMEOUT_S)
+        url = service(
+            "service", ROOT, app, sim_port, args.database_url, out, procs, {**DEFAULTS, **extra}, backlog=4096
+        )
+        service_proc = procs[-1]
         k6_env = {**os.environ, "BASE_URL": url, "FORM": "json", "IMAGE_SET": "tiny", "REQ_TIMEOUT": "180s"}
         warm = {**k6_env, "VUS": WARMUP[0], "DURATION": WARMUP[1]}
         run_k6(k6, "closed.js", warm, out / "warmup.log", 120, extra=("--no-thresholds",))
         before = scrape(url)
         rss_idle_mb = total(before, "process_resident_memory_bytes") / 2**20
-        sampler = Sampler({"service": service.popen.pid})
+        sampler = Sampler({"service": service_proc.popen.pid})
         watcher = Watcher(url)
         sampler.start()
         watcher.start()
