@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -133,9 +134,11 @@ class SharedRateBudget(RateBudget):
         # Granted ahead of time, usable at their hour (`_mature`): part of what the head
         # has, so it is not asked for twice. Void on a fall back.
         self._pending = (0.0, 0.0)
-        # Grants held back until the debt ahead of them is paid: each timer and when it fires
-        # (kept here: uvloop answers a delay under a millisecond with a plain Handle, no when()).
-        self._maturing: dict[asyncio.Handle, float] = {}
+        # Grants held back until the debt ahead of them is paid: their timers, by a number of
+        # their own (each removes its own when it fires: uvloop answers a delay under a
+        # millisecond with a plain Handle, which has no when() to tell a fired one by).
+        self._maturing: dict[int, asyncio.Handle] = {}
+        self._grants = itertools.count()
         self._retry_at = 0.0  # a need refused as too far ahead asks again from then
         self._last_need_at = -math.inf
         # Reservations taken in one epoch (shared, fallback, shared again...) refund only
@@ -292,19 +295,17 @@ class SharedRateBudget(RateBudget):
             self._hold(granted)
             return
         self._pending = (self._pending[0] + granted[0], self._pending[1] + granted[1])
-        loop = asyncio.get_running_loop()
-        handle = loop.call_later(wait, self._mature, granted)
-        self._maturing[handle] = loop.time() + wait
+        key = next(self._grants)
+        self._maturing[key] = asyncio.get_running_loop().call_later(wait, self._mature, granted, key)
 
-    def _mature(self, granted: tuple[float, float]) -> None:
-        now = asyncio.get_running_loop().time()
-        self._maturing = {h: at for h, at in self._maturing.items() if at > now and not h.cancelled()}
+    def _mature(self, granted: tuple[float, float], key: int) -> None:
+        self._maturing.pop(key, None)
         self._pending = (self._pending[0] - granted[0], self._pending[1] - granted[1])
         self._hold(granted)
         self._kick.set()  # the head may need more still
 
     def _void_pending(self) -> None:
-        for handle in self._maturing:
+        for handle in self._maturing.values():
             handle.cancel()
         self._maturing.clear()
         self._pending = (0.0, 0.0)
