@@ -261,3 +261,41 @@ async def test_waiters_that_give_up_leave_the_count_and_the_order_intact() -> No
     release.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert order == [0, 2, 5] and (gate.in_use, gate.waiting) == (0, 0)
+
+
+async def test_admission_follows_fixed_gates_at_their_measured_latency() -> None:
+    """A sweep's grid point fixes the gates and leaves admission `auto`: admission then
+    sizes itself from the latency the fixed gates measure, not from a prior."""
+    gates = {"vision": StageGate("vision", 30), "answer": StageGate("answer", 90)}
+    for _ in range(5):
+        gates["vision"].observe(1.0, overloaded=False)
+        gates["answer"].observe(3.0, overloaded=False)
+    gates["answer"].observe(30.0, overloaded=True)  # a timeout is no reply: not a sample
+    admission = Admission(
+        max_inflight=ADMISSION_FLOOR,
+        per_user=4,
+        wait_s=0.0,
+        max_budget_wait_s=10.0,
+        predicted_budget_wait=lambda _owed: 0.0,
+        calls_per_scan=2,
+    )
+    cpu = CpuLane(max_workers=1, queue_limit=1)
+    try:
+        sizing = Sizing(
+            gates=gates,
+            gate_limits={},
+            stage_rate=lambda _stage: math.inf,
+            stage_requests=lambda _stage: 0,
+            admission=admission,
+            admission_spec=LimitSpec(),
+            admission_ceiling=5000,
+            max_queue_s=10.0,
+            cpu=cpu,
+            cpu_queue_spec=LimitSpec(fixed=1),
+            cpu_queue_ceiling=1,
+        )
+        sizing.step()
+        # 30 scans/s through either gate (30 / 1 s, 90 / 3 s) x (1 s + 3 s + 10 s).
+        assert admission.max_inflight == 30 * 14
+    finally:
+        cpu.shutdown()

@@ -185,7 +185,8 @@ class Sizing:
         scans = self._admission.admitted
         for stage, gate in self._gates.items():
             limiter = self._gate_limits.get(stage)
-            latency = limiter.latency_s if limiter is not None and limiter.latency_s else PRIOR_LATENCY_S
+            measured = limiter.latency_s if limiter is not None else gate.latency_s  # a fixed gate's too
+            latency = measured or PRIOR_LATENCY_S
             share = min(1.0, self._stage_requests(stage) / scans) if scans >= SHARE_AFTER_SCANS else 1.0
             service_s += share * latency
             if share > 0:

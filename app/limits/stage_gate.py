@@ -37,6 +37,7 @@ class StageGate:
         self._tokens = itertools.count()
         # Sized automatically (app/limits/sizing.py): told how each call went.
         self.limiter: AdaptiveLimit | None = None
+        self.latency_s: float | None = None  # mean upstream time of the calls through it
 
     @property
     def limit(self) -> int:
@@ -67,6 +68,10 @@ class StageGate:
     def observe(self, latency_s: float, *, overloaded: bool) -> None:
         """A call that held a slot took `latency_s` upstream; `overloaded`: the upstream
         refused it for load (429, 5xx) or let it time out."""
+        if not overloaded:  # a running mean of replies, sized or not: admission's service time
+            self.latency_s = (
+                latency_s if self.latency_s is None else self.latency_s + 0.05 * (latency_s - self.latency_s)
+            )
         if self.limiter is not None:
             self.limiter.observe(latency_s, overloaded=overloaded)
 
