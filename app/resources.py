@@ -403,18 +403,19 @@ def _sizing(
 ) -> Sizing:
     """The automatic limits' loop, set once now so the first scans meet sized limits."""
     gates = upstream.gates
+    admission_spec, cpu_queue_spec = settings.limit("max_inflight_scans"), settings.limit("cpu_queue_limit")
     sizing = Sizing(
         gates=gates,
         gate_limits={stage: gate.limiter for stage, gate in gates.items() if gate.limiter is not None},
         stage_rate=upstream.call_rate,
         stage_requests=lambda stage: upstream.requests.get(stage, 0),
         admission=admission,
-        admission_spec=settings.limit("max_inflight_scans"),
-        admission_ceiling=settings.limit("max_inflight_scans").ceiling(box.scans),
+        admission_spec=admission_spec,
+        admission_ceiling=admission_spec.ceiling(box.scans),
         max_queue_s=settings.max_budget_wait_s,
         cpu=cpu,
-        cpu_queue_spec=settings.limit("cpu_queue_limit"),
-        cpu_queue_ceiling=settings.limit("cpu_queue_limit").ceiling(box.scans),
+        cpu_queue_spec=cpu_queue_spec,
+        cpu_queue_ceiling=cpu_queue_spec.ceiling(box.scans),
         on_change=lambda limit, reason: metrics.limit_changes.labels(limit, reason).inc(),
     )
     cpu.observers.append(sizing.observe_cpu_job)

@@ -36,6 +36,20 @@ def interval(
     return limit.limit
 
 
+def new_admission(
+    *, max_inflight: int = ADMISSION_FLOOR, per_user: int = 4, wait_s: float = 0.0
+) -> Admission:
+    """Admission with a budget that never makes anyone wait and two calls a scan."""
+    return Admission(
+        max_inflight=max_inflight,
+        per_user=per_user,
+        wait_s=wait_s,
+        max_budget_wait_s=10.0,
+        predicted_budget_wait=lambda _owed: 0.0,
+        calls_per_scan=2,
+    )
+
+
 def test_rises_under_headroom_until_the_ceiling() -> None:
     limit = AdaptiveLimit(floor=4, ceiling=5000, prior_latency_s=2.0, initial=64)
     seen = [interval(limit) for _ in range(8)]
@@ -163,14 +177,7 @@ async def test_admission_and_the_cpu_queue_follow_the_gates() -> None:
     limiters = {s: AdaptiveLimit(floor=4, ceiling=5000, prior_latency_s=2.0, initial=64) for s in gates}
     for gate, limiter in zip(gates.values(), limiters.values(), strict=True):
         gate.limiter = limiter
-    admission = Admission(
-        max_inflight=ADMISSION_FLOOR,
-        per_user=4,
-        wait_s=0.0,
-        max_budget_wait_s=10.0,
-        predicted_budget_wait=lambda _owed: 0.0,
-        calls_per_scan=2,
-    )
+    admission = new_admission()
     cpu = CpuLane(max_workers=2, queue_limit=2)
     rates = {"vision": 20.0, "answer": 20.0}
     changes: list[tuple[str, str]] = []
@@ -214,14 +221,7 @@ async def test_admission_and_the_cpu_queue_follow_the_gates() -> None:
 
 
 async def test_a_higher_admission_cap_lets_waiters_in_at_once() -> None:
-    admission = Admission(
-        max_inflight=1,
-        per_user=10,
-        wait_s=5.0,
-        max_budget_wait_s=10.0,
-        predicted_budget_wait=lambda _owed: 0.0,
-        calls_per_scan=2,
-    )
+    admission = new_admission(max_inflight=1, per_user=10, wait_s=5.0)
     first = await admission.admit("a")
     second = asyncio.create_task(admission.admit("a"))
     await asyncio.sleep(0)
@@ -271,14 +271,7 @@ async def test_admission_follows_fixed_gates_at_their_measured_latency() -> None
         gates["vision"].observe(1.0, overloaded=False)
         gates["answer"].observe(3.0, overloaded=False)
     gates["answer"].observe(30.0, overloaded=True)  # a timeout is no reply: not a sample
-    admission = Admission(
-        max_inflight=ADMISSION_FLOOR,
-        per_user=4,
-        wait_s=0.0,
-        max_budget_wait_s=10.0,
-        predicted_budget_wait=lambda _owed: 0.0,
-        calls_per_scan=2,
-    )
+    admission = new_admission()
     cpu = CpuLane(max_workers=1, queue_limit=1)
     try:
         sizing = Sizing(

@@ -64,12 +64,11 @@ BASELINE_RISE = 0.05
 
 @dataclass(frozen=True)
 class LimitChange:
-    """What one update did: the limit before and after, and why: `grow` (every slot used,
+    """What one update did: the limit after it, and why: `grow` (every slot used,
     latency normal), `steady` (slots to spare), `little` (the budget's rate x latency
     bounds it), `gradient` (latency rose), `backoff` (the upstream said it has too
     much), `floor` / `ceiling` (clamped)."""
 
-    before: int
     after: int
     reason: str
 
@@ -115,7 +114,6 @@ class AdaptiveLimit:
         """One interval's step. `rate_per_s`: the calls per second the budget lets this stage
         make (inf when no budget binds); `oldest_in_progress_s`: how long the oldest call
         still running has run."""
-        before = self.limit
         self._update_latency(oldest_in_progress_s)
         latency = self.latency_s if self.latency_s is not None else self._prior_latency_s
         little = rate_per_s * latency * (1 + LITTLE_HEADROOM) if math.isfinite(rate_per_s) else math.inf
@@ -134,7 +132,7 @@ class AdaptiveLimit:
         self.reason = reason
         self._latency_sum, self._samples, self._overloads = 0.0, 0, 0
         self._most_in_use = 0
-        return LimitChange(before, self.limit, reason)
+        return LimitChange(self.limit, reason)
 
     def _gradient_step(self) -> tuple[float, str]:
         """The limit this interval's latency and outcomes call for, before Little's bound."""

@@ -134,7 +134,6 @@ class Sizing:
         self._on_change = on_change
         self._interval_s = interval_s
         self._cpu_job_s = PRIOR_CPU_JOB_S
-        self.reasons: dict[str, str] = {name: "initial" for name in self.limits()}
         self._values: dict[str, int] = self.limits()
         self._logged: dict[str, int] = dict(self._values)
 
@@ -205,7 +204,6 @@ class Sizing:
         if value != self._values.get(name):
             self._on_change(name, reason)
             self._values[name] = value
-        self.reasons[name] = reason
         logged = self._logged.get(name, value)
         if max(value, logged) > LOG_CHANGE_RATIO * min(value, logged):
             log.info("limit %s: %d -> %d (%s)", name, logged, value, reason)
