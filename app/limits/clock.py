@@ -8,9 +8,11 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
+
+from app.limits.timeouts import ElasticDeadline
 
 __all__ = ["Clock", "FakeClock", "MonotonicClock"]
 
@@ -26,8 +28,9 @@ class Clock(Protocol):
         """Sleep for `seconds` of this clock's time."""
         ...
 
-    def timeout_at(self, deadline: float) -> AbstractAsyncContextManager[object]:
-        """Raise TimeoutError in the block once this clock reaches `deadline`."""
+    def timeout_at(self, deadline: float | Callable[[], float]) -> AbstractAsyncContextManager[object]:
+        """Raise TimeoutError in the block once this clock reaches `deadline`; given as a
+        function, the deadline is asked again when reached and may have moved later."""
         ...
 
 
@@ -37,7 +40,9 @@ class MonotonicClock:
     def now(self) -> float:
         return time.monotonic()
 
-    def timeout_at(self, deadline: float) -> AbstractAsyncContextManager[object]:
+    def timeout_at(self, deadline: float | Callable[[], float]) -> AbstractAsyncContextManager[object]:
+        if callable(deadline):
+            return ElasticDeadline(deadline, self.now)
         return asyncio.timeout(max(0.0, deadline - self.now()))
 
     async def sleep(self, seconds: float) -> None:
@@ -76,12 +81,14 @@ class FakeClock:
         await fut  # a cancelled sleep cancels fut; advance() skips it
 
     @asynccontextmanager
-    async def timeout_at(self, deadline: float) -> AsyncIterator[object]:
+    async def timeout_at(self, deadline: float | Callable[[], float]) -> AsyncIterator[object]:
         """asyncio's own timeout, fired by a watchdog that sleeps on this clock."""
+        when = deadline if callable(deadline) else lambda: deadline
         async with asyncio.timeout(None) as scope:
 
             async def fire() -> None:
-                await self.sleep(deadline - self._now)
+                while (left := when() - self._now) > 0:
+                    await self.sleep(left)
                 scope.reschedule(asyncio.get_running_loop().time())
 
             watchdog = asyncio.create_task(fire())

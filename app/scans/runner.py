@@ -1,6 +1,7 @@
 """`StageRunner` runs one stage of one scan and does, for every stage, the same things
 once: the started/completed events, the stage's deadline (the sooner of its own time
-limit and the scan's deadline, both on the pipeline's `Clock`), the admission ticket's
+limit and the scan's deadline, both on the pipeline's `Clock`; its own limit is its
+setting or `TAIL` x the longest the stage took lately, app/limits/timeouts.py), the admission ticket's
 owed calls, queue-vs-service timing, metrics, and keeping the stage's result where
 later stages and the final result find it."""
 
@@ -8,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from app.errors import ScanDeadlineExceeded, StageTimeout
 from app.limits.clock import Clock
+from app.limits.timeouts import RecentPeak
 from app.runtime.metrics import Metrics
 from app.scans.events import EventLog, StageCompleted, StageStarted
 from app.stages.base import Stage, StageDeclaration, StageResult
@@ -58,6 +60,8 @@ class StageRunner:
         self.spans = progress_spans(stages)
         self._metrics = metrics
         self._clock = clock
+        # How long each stage took lately (completed ones): what its time limit stretches to.
+        self._took = {stage.name: RecentPeak() for stage in stages}
 
     @property
     def calls_per_scan(self) -> int:
@@ -76,14 +80,26 @@ class StageRunner:
         span = self.spans[stage.name]
         log.append(StageStarted(stage.name), span.started)
         ctx.scan.ticket.calls_started(stage.upstream_calls)
-        stage_deadline = self._clock.now() + stage.timeout_s
-        ctx.deadline = min(deadline, stage_deadline)
+        started = self._clock.now()
+        took = self._took[stage.name]
+        limit_s = stage.timeout_s
+
+        def stage_deadline() -> float:
+            # Asked at the start and again when reached: stages that completed meanwhile
+            # may say this one may take longer. Calls made from here on get the new one.
+            nonlocal limit_s
+            limit_s = took.timeout(stage.timeout_s, self._clock.now())
+            ctx.deadline = min(deadline, started + limit_s)
+            return ctx.deadline
+
+        stage_deadline()
         try:
-            result = await self._timed(stage, ctx, progress)
+            result = await self._timed(stage, ctx, progress, stage_deadline)
         except TimeoutError:
-            if deadline < stage_deadline:
+            if deadline <= started + limit_s:
                 raise ScanDeadlineExceeded() from None
-            raise StageTimeout(f"The {stage.name} stage took longer than {stage.timeout_s:g}s.") from None
+            raise StageTimeout(f"The {stage.name} stage took longer than {limit_s:.3g}s.") from None
+        took.observe(self._clock.now() - started, self._clock.now())
         ctx.results[type(result)] = result
         fields = result.event_fields()
         progress.result.update(result.done_fields(fields))
@@ -93,12 +109,16 @@ class StageRunner:
         log.append(StageCompleted(stage.name, duration_ms, fields), span.completed)
 
     async def _timed(
-        self, stage: Stage[StageResult], ctx: ScanContext, progress: ScanProgress
+        self,
+        stage: Stage[StageResult],
+        ctx: ScanContext,
+        progress: ScanProgress,
+        deadline: Callable[[], float],
     ) -> StageResult:
         began = time.perf_counter()
         outcome = "failed"
         try:
-            async with self._clock.timeout_at(ctx.deadline):
+            async with self._clock.timeout_at(deadline):
                 result = await stage.run(ctx)
         except asyncio.CancelledError:
             outcome = "cancelled"

@@ -18,6 +18,7 @@ again from the beginning (the consumer is told to drop what it showed: `on_resta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -40,6 +41,7 @@ from app.limits.clock import Clock
 from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservation
 from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
+from app.limits.timeouts import ElasticDeadline
 from app.runtime.metrics import Metrics
 from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
@@ -417,15 +419,14 @@ class Upstream:
         sent_version = route.negotiation.version
         body = route.adapt(request_body(call, stream=read_stream is not None))
         try:
-            response = await route.endpoint.post(orjson.dumps(body))
+            response, content = await self._reply(route, orjson.dumps(body), whole=read_stream is None)
             watch: StallWatch | None = None
             try:
                 if not 200 <= response.status < 300:  # a 3xx too, when it was not followed
-                    content = await response.read()
                     raise self._status_failure(route, call, reservation, response, content, sent_version)
                 self._observe(route, call, response, "2xx")
                 if read_stream is None:
-                    usage = read_completion(await response.read(), result)
+                    usage = read_completion(content, result)
                 else:
                     watch = route.endpoint.watch_stream(response)
                     pause = functools.partial(until_eof, response.content)
@@ -444,6 +445,39 @@ class Upstream:
         if usage is not None:
             self._settle(route, call, reservation, usage, result)
         check_finish(call, result)
+
+    async def _reply(self, route: Route, body: bytes, *, whole: bool) -> tuple[aiohttp.ClientResponse, bytes]:
+        """The reply's head, and its body when it is not 2xx or `whole` (not streamed; b""
+        for a streamed one),
+        waited for at least the configured read timeout, longer when this route's replies
+        have lately taken longer (app/limits/timeouts.py): a slow model is not a hung one.
+        The response is released here only if this fails."""
+        endpoint = route.endpoint
+        configured = endpoint.read_timeout_s
+        sent = time.monotonic()
+        if configured is None:
+            waiting: ElasticDeadline | contextlib.nullcontext[None] = contextlib.nullcontext()
+        else:
+            waiting = ElasticDeadline(
+                lambda: sent + route.reply_took.timeout(configured, time.monotonic()), time.monotonic
+            )
+        response: aiohttp.ClientResponse | None = None
+        try:
+            async with waiting:
+                response = await endpoint.post(body)
+                ok = 200 <= response.status < 300
+                content = await response.read() if whole or not ok else b""
+        except BaseException as exc:
+            if response is not None:
+                response.release()
+            if isinstance(waiting, ElasticDeadline) and waiting.expired():
+                # As aiohttp's own read timeout says it, a timeout like any other.
+                raise aiohttp.SocketTimeoutError("Timeout on reading data from socket") from exc
+            raise
+        if ok:
+            now = time.monotonic()
+            route.reply_took.observe(now - sent, now)
+        return response, content
 
     def _settle(
         self, route: Route, call: ChatCall, reservation: Reservation, usage: Usage, result: ChatResult

@@ -35,7 +35,8 @@ class ChatEndpoint:
     # trust_env would read the environment and ~/.netrc again on every request.
     proxy: yarl.URL | None
     proxy_auth: aiohttp.BasicAuth | None
-    read_timeout_s: float | None  # the longest wait for a byte of the reply
+    # The longest pause of a streamed body, and the least wait for a reply's head.
+    read_timeout_s: float | None
 
     @classmethod
     def open(
@@ -53,11 +54,12 @@ class ChatEndpoint:
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_s),
             headers={"Content-Type": "application/json", "User-Agent": USER_AGENT, **headers},
-            # `sock_read` bounds every wait for bytes (past a streamed reply's head, through
-            # `watch_stream`), `connect` the wait for a pooled connection and the connect,
-            # `sock_connect` the connect itself. aiohttp has no write timeout.
+            # `connect` bounds the wait for a pooled connection and the connect, `sock_connect`
+            # the connect itself. The waits for the reply are ours: for its head (and a whole
+            # reply) as long as the deployment's replies take (`Upstream._reply`), then a
+            # streamed body's pauses (`watch_stream`). aiohttp has no write timeout.
             timeout=aiohttp.ClientTimeout(
-                sock_connect=connect_timeout_s, sock_read=read_timeout_s, connect=connect_timeout_s
+                sock_connect=connect_timeout_s, sock_read=None, connect=connect_timeout_s
             ),
         )
         return cls(session, url, *env_proxy(url), read_timeout_s)
@@ -68,16 +70,11 @@ class ChatEndpoint:
         return await self.session.post(self.url, data=body, proxy=self.proxy, proxy_auth=self.proxy_auth)
 
     def watch_stream(self, response: aiohttp.ClientResponse) -> StallWatch | None:
-        """From here on, a streamed body's read timeout is a `StallWatch`, not aiohttp's
-        timer (None: no read timeout, or the body has already ended)."""
-        connection = response.connection
-        protocol = connection.protocol if connection is not None else None
-        if self.read_timeout_s is None or protocol is None:
+        """A streamed body's read timeout: a `StallWatch` rather than aiohttp's timer, which
+        it re-arms on every chunk, and a streamed answer is many chunks (None: no read
+        timeout, or the body has already ended)."""
+        if self.read_timeout_s is None or response.connection is None:
             return None
-        # aiohttp re-arms its read timer on every chunk it receives, and a streamed answer
-        # is many chunks; the setting lasts until the connection's next request, which
-        # sets its own.
-        protocol.read_timeout = None
         return StallWatch(response.content, self.read_timeout_s)
 
     async def aclose(self) -> None:

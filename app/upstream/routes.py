@@ -20,6 +20,7 @@ from typing import Any
 
 from app.limits.clock import Clock
 from app.limits.rate_budget import RateBudget
+from app.limits.timeouts import RecentPeak
 from app.upstream.breaker import Breaker
 from app.upstream.call import ChatCall, ChatRequest
 from app.upstream.deployments import Deployment
@@ -41,6 +42,9 @@ class Route:
     breaker: Breaker  # one per deployment
     negotiation: Negotiation  # one per deployment and model
     in_flight: int = 0
+    # How long this deployment's replies to this stage took lately, to their head (a
+    # whole reply when not streamed): how long the next one is waited for.
+    reply_took: RecentPeak = field(default_factory=RecentPeak)
     _formats: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
