@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import asyncpg
 import orjson
 
+from app.errors import DatabaseError
+
 if TYPE_CHECKING:
     from asyncpg.pool import PoolConnectionProxy
 
@@ -23,6 +25,14 @@ DB_ERRORS: tuple[type[Exception], ...] = (
     asyncpg.InterfaceError,
     OSError,
 )
+
+
+def database_error(exc: BaseException) -> DatabaseError:
+    """What each write of a batch that failed raises (app/db/batch.py): a `DatabaseError`
+    of its own, the database's error its cause."""
+    error = DatabaseError()
+    error.__cause__ = exc.__cause__ if isinstance(exc, DatabaseError) else exc
+    return error
 
 
 # `DB_POOL_MAX=auto`: at most this many connections, and at most half of what the server

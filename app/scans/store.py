@@ -28,8 +28,10 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
+import orjson
 
-from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX
+from app.db.batch import GroupCommit
+from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX, database_error
 from app.errors import DatabaseError, DatabaseUnavailable, ProcessLost, retryable_scan_codes
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,15 @@ _INSERT = """
 # A retry takes the key from the scan it retries, which must have ended (retryably: the
 # caller checked); a concurrent retry that took it first leaves nothing to take here, and
 # its new row then wins the unique index.
+# Plain inserts (no idempotency key, no retry: nothing to conflict with), many at once
+# (app/db/batch.py). JSON and arrays travel as text: asyncpg reads a list inside an
+# array parameter as another dimension.
+_INSERT_MANY = """
+    INSERT INTO scans (id, user_id, status, image_source, image_sha256, user_input, instance_id, token_sha256)
+    SELECT r.id, r.user_id, 'running', r.image_source, r.image_sha256, r.user_input, $6, r.token_sha256
+    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $7::text[])
+        AS r(id, user_id, image_source, image_sha256, user_input, token_sha256)"""
+
 _RELEASE_KEY = """
     UPDATE scans SET idempotency_key = NULL
     WHERE id = $1 AND idempotency_scope = $2 AND idempotency_key = $3 AND status <> 'running'"""
@@ -65,6 +76,21 @@ _PURGE = """
     DELETE FROM scans WHERE id IN (
         SELECT id FROM scans WHERE created_at < now() - make_interval(secs => $1 * 86400)
         AND status <> 'running' LIMIT $2)"""
+
+# Terminal rows, many at once; the ids it returns are the rows it found.
+_FINISH_MANY = """
+    UPDATE scans AS s SET
+        status = r.status, classification = r.classification::jsonb,
+        situation_tags = r.situation_tags::jsonb, disposal_rules = r.disposal_rules::jsonb,
+        answer = r.answer::jsonb, reward = r.reward::jsonb, timings = r.timings::jsonb,
+        error_step = r.error_step, error_code = r.error_code, error_message = r.error_message,
+        event_log = r.event_log::json, finished_at = now()
+    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+                $8::text[], $9::text[], $10::text[], $11::text[], $12::text[])
+        AS r(id, status, classification, situation_tags, disposal_rules, answer, reward, timings,
+             error_step, error_code, error_message, event_log)
+    WHERE s.id = r.id
+    RETURNING s.id"""
 
 _FINISH = """
     UPDATE scans SET
@@ -124,6 +150,11 @@ class TerminalRow:
     error: tuple[str, str, str] | None = None  # (step, code, message)
     events: str | None = None  # the event log as sent, terminal event included (EventLog.to_json)
 
+    def text_args(self) -> tuple[str | None, ...]:
+        """`args` with the JSON values as text (`_FINISH_MANY`'s columns)."""
+        status, *values = self.args()
+        return (status, *(_json_text(v) for v in values[:6]), *values[6:])
+
     def args(self) -> tuple[Any, ...]:
         r = self.result
         step, code, message = self.error or (None, None, None)
@@ -140,6 +171,22 @@ class TerminalRow:
             message,
             self.events,
         )
+
+
+def _json_text(value: Any) -> str | None:
+    return None if value is None else orjson.dumps(value).decode()
+
+
+@dataclass(frozen=True)
+class _NewRow:
+    """A plain `running` row, for `_INSERT_MANY`."""
+
+    id: uuid.UUID
+    user_id: str | None
+    image_source: str
+    image_sha256: str | None
+    user_input: str | None
+    token_sha256: str | None
 
 
 # What a scan refused because its `running` row could not be written records, should the
@@ -206,6 +253,8 @@ class ScanStore:
         self._timeout_s = timeout_s
         self._deferred: dict[uuid.UUID, TerminalRow] = {}
         self._retrying: asyncio.Task[None] | None = None
+        self._inserts = GroupCommit(self._insert_many, error=database_error)
+        self._finishes = GroupCommit(self._finish_many, error=database_error)
 
     @property
     def deferred(self) -> int:
@@ -240,10 +289,16 @@ class ScanStore:
             retry_of,
         )
         try:
-            if retry_of is None or claim is None:
+            if claim is None and retry_of is None:
+                row = _NewRow(scan_id, user_id, image_source, image_sha256, user_input, token_sha256)
+                await self._inserts.submit(row)
+            elif retry_of is None or claim is None:
                 await self._execute(_INSERT, *args)
             else:
                 await self._retry(retry_of, claim, args)
+        except asyncio.CancelledError:
+            self.defer(scan_id, _REFUSED_ROW)  # its INSERT may commit yet: no row stays `running`
+            raise
         except DatabaseError as exc:
             if claim is None or not isinstance(exc.__cause__, asyncpg.UniqueViolationError):
                 # The scan is refused (503), but an INSERT that timed out here may still
@@ -283,8 +338,7 @@ class ScanStore:
     async def finish(self, scan_id: uuid.UUID, row: TerminalRow) -> None:
         """Write the terminal row once; `DatabaseError` if the database did not take it."""
         self._deferred.pop(scan_id, None)  # this write supersedes any older one
-        status_line = await self._execute(_FINISH, scan_id, *row.args())
-        if not status_line.endswith(" 1"):
+        if not await self._finishes.submit((scan_id, row)):
             raise ProcessLost(f"scan {scan_id} has no row")
 
     def defer(self, scan_id: uuid.UUID, row: TerminalRow) -> None:
@@ -323,6 +377,10 @@ class ScanStore:
     async def close(self, timeout_s: float) -> None:
         """Shutdown: one last bounded try for the deferred rows, then give up on them
         (the next process's sweep records them as PROCESS_LOST)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._inserts.close()
+                await self._finishes.close()
         if self._retrying is not None:
             self._retrying.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -350,6 +408,20 @@ class ScanStore:
             if self._deferred.get(scan_id) is row:
                 del self._deferred[scan_id]
             log.info("scan %s: terminal row %s recorded after a database outage", scan_id, row.status)
+
+    async def _insert_many(self, rows: Sequence[_NewRow]) -> list[None]:
+        columns = [[getattr(r, name) for r in rows] for name in _NewRow.__dataclass_fields__]
+        token_sha256 = columns.pop()
+        await self._execute(_INSERT_MANY, *columns, self.instance_id, token_sha256)
+        return [None] * len(rows)
+
+    async def _finish_many(self, rows: Sequence[tuple[uuid.UUID, TerminalRow]]) -> list[bool]:
+        """Whether each scan's row was there to take its end."""
+        values = [(scan_id, *row.text_args()) for scan_id, row in rows]
+        found = {
+            r["id"] for r in await self._fetch(_FINISH_MANY, *(list(c) for c in zip(*values, strict=True)))
+        }
+        return [scan_id in found for scan_id, _ in rows]
 
     async def _execute(self, query: str, *args: Any) -> str:
         try:

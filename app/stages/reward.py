@@ -2,10 +2,11 @@
 
 A reward is given only when the item is recyclable, has a middle category, a rule
 was found and the answer lists nothing the user still has to do. The character is
-the one for the middle category, or the default one. Ownership is recorded by a
-single INSERT ... ON CONFLICT DO NOTHING on UNIQUE (user_id, character_code), so
-two concurrent scans of the same category cannot both "receive" it: exactly one
-insert returns a row.
+the one for the middle category, or the default one. Ownership is recorded by an
+INSERT ... ON CONFLICT DO NOTHING on UNIQUE (user_id, character_code), so two
+concurrent scans of the same category cannot both "receive" it: exactly one row is
+inserted (with many scans' rewards in one statement, app/db/batch.py, the first of
+them).
 
 `received` means this scan added the character to the user's collection;
 `already_owned` means the user had it before. Anonymous scans get the match but no
@@ -14,13 +15,16 @@ ownership row (both false).
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
-from app.db.pool import DB_ERRORS
+from app.db.batch import GroupCommit
+from app.db.pool import DB_ERRORS, database_error
 from app.db.taxonomy import Classification
 from app.errors import DatabaseError
 from app.stages.answer import Answer, AnswerResult
@@ -29,11 +33,13 @@ from app.stages.context import ScanContext
 from app.stages.rule import RuleResult
 from app.stages.vision import VisionResult
 
-_RECORD = """
+# Many at once (app/db/batch.py); what it returns are the ownerships it recorded. Two
+# rows of one batch for the same user and character: the first is recorded.
+_RECORD_MANY = """
     INSERT INTO character_ownership (user_id, character_code, scan_id)
-    VALUES ($1, $2, $3)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::uuid[])
     ON CONFLICT (user_id, character_code) DO NOTHING
-    RETURNING 1"""
+    RETURNING user_id, character_code"""
 
 if TYPE_CHECKING:
     from app.db.pool import DbConn
@@ -88,6 +94,7 @@ class RewardStage:
     ) -> None:
         self.timeout_s = timeout_s
         self._pool = pool
+        self._records = GroupCommit(self._record_many, error=database_error)
         self._recyclable = recyclable
         self._by_middle = {c.middle: c for c in characters if c.middle is not None}
         defaults = [c for c in characters if c.middle is None]
@@ -125,9 +132,21 @@ class RewardStage:
         user_id = ctx.scan.user_id
         if user_id is None:
             return Reward(character=character, received=False, already_owned=False)
+        received = await self._records.submit((user_id, character.code, ctx.scan.id))
+        return Reward(character=character, received=received, already_owned=not received)
+
+    async def _record_many(self, rows: Sequence[tuple[str, str, uuid.UUID]]) -> list[bool]:
+        """Whether each (user, character, scan) was the one to give the user the character."""
         try:
-            async with self._pool.acquire() as conn:
-                inserted = await conn.fetchval(_RECORD, user_id, character.code, ctx.scan.id)
+            async with self._pool.acquire(timeout=self.timeout_s) as conn:
+                recorded = await conn.fetch(
+                    _RECORD_MANY, *map(list, zip(*rows, strict=True)), timeout=self.timeout_s
+                )
         except DB_ERRORS as exc:
             raise DatabaseError() from exc
-        return Reward(character=character, received=inserted is not None, already_owned=inserted is None)
+        new = {(r["user_id"], r["character_code"]) for r in recorded}
+        received = []
+        for user_id, code, _ in rows:
+            received.append((user_id, code) in new)
+            new.discard((user_id, code))
+        return received
