@@ -86,3 +86,31 @@ async def test_a_full_collection_waits_out_a_crowd_but_not_forever() -> None:
         async with asyncio.timeout(1):
             await freed2.wait()
         assert gone2() is None
+
+
+async def test_the_young_generation_shrinks_while_collections_are_slow_and_grows_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each middle-generation collection's CPU time against the target scales the young
+    threshold: slower than the target (here: any) brings it down to the minimum, quicker
+    (here: all) lets it grow back to the setting, a bounded step at a time."""
+    garbage: list[list[int]] = []
+
+    def collections_of_the_middle_generation(count: int) -> None:
+        for _ in range(count):
+            before = gc.get_stats()[1]["collections"]
+            while gc.get_stats()[1]["collections"] == before:
+                garbage.append([])  # tracked allocations that survive: the young count climbs
+            garbage.clear()
+
+    with tuned_heap(20_000):
+        assert gc.get_threshold()[0] == 20_000
+        monkeypatch.setattr(heap, "AUTO_PAUSE_TARGET_S", 1e-9)
+        collections_of_the_middle_generation(3)
+        assert gc.get_threshold()[0] == heap.MIN_YOUNG_THRESHOLD
+        monkeypatch.setattr(heap, "AUTO_PAUSE_TARGET_S", 10.0)
+        collections_of_the_middle_generation(1)
+        assert gc.get_threshold()[0] == int(heap.MIN_YOUNG_THRESHOLD * heap.YOUNG_REGROWTH)
+        collections_of_the_middle_generation(30)
+        assert gc.get_threshold()[0] == 20_000  # never past the setting
+    assert heap._tuned == []

@@ -27,6 +27,15 @@ costs under load: docs/benchmarks.md, CPU per completed scan, k6/cpu_per_scan.py
   scans are in flight, and survivors move on to the old generation, which no automatic
   collection walks.
 
+The young generation sizes itself down under a large heap: a collection walks the
+references of each young object, and with hundreds of megabytes of scans in flight
+each one is a cache miss, so the same 20,000 objects that take a few milliseconds in a
+quiet process take tens (docs/benchmarks.md). After each middle-generation collection
+(the longest automatic one) the young threshold is scaled by `AUTO_PAUSE_TARGET_S` over
+the CPU time it took, between `MIN_YOUNG_THRESHOLD` and `young_threshold`: collections
+come more often and each holds the loop for less. CPU time, not wall time: a box busy
+with other processes stretches a pause without it walking more.
+
 A full collection walks every live object that is not frozen, and a scan in flight holds
 a few hundred (coroutines, their frames, futures, buffers): with thousands in flight it
 would hold the loop, and every stream, for far longer than a young one. So a due full
@@ -58,6 +67,12 @@ PRIOR_PAUSE_PER_SCAN_S = 1e-4
 RECHECK_S = 5.0
 # No automatic full collection: the old generation's threshold is never reached.
 NEVER = 1 << 30
+# A middle-generation collection should take about this much CPU at most...
+AUTO_PAUSE_TARGET_S = 0.02
+# ...the young threshold shrinking for it down to this many allocations, and growing back
+# (at most this factor a collection) when collections are quick again.
+MIN_YOUNG_THRESHOLD = 2_000
+YOUNG_REGROWTH = 1.25
 
 
 @contextlib.contextmanager
@@ -97,6 +112,10 @@ class _Tuning:
         gc.collect()
         gc.freeze()
         gc.set_threshold(young_threshold, 1, NEVER)
+        self._young_max = young_threshold
+        self._young = float(young_threshold)
+        self._started_cpu = 0.0
+        gc.callbacks.append(self._sized)
         self._loop = asyncio.get_running_loop()
         self._every_s = every_s
         self._max_defer_s = max_defer_s
@@ -119,7 +138,20 @@ class _Tuning:
         self._due_at = self._loop.time() + self._every_s
         self._handle = self._loop.call_at(self._due_at, self._collect)
 
+    def _sized(self, phase: str, info: dict[str, Any]) -> None:
+        """A gc callback: each middle-generation collection's CPU time resizes the young one."""
+        if info["generation"] != 1:
+            return
+        if phase == "start":
+            self._started_cpu = time.thread_time()
+            return
+        took = time.thread_time() - self._started_cpu
+        scale = min(YOUNG_REGROWTH, AUTO_PAUSE_TARGET_S / max(took, 1e-6))
+        self._young = max(MIN_YOUNG_THRESHOLD, min(self._young_max, self._young * scale))
+        gc.set_threshold(int(self._young), 1, NEVER)
+
     def undo(self) -> None:
+        gc.callbacks.remove(self._sized)
         self._handle.cancel()
         gc.set_threshold(*self._previous)
         gc.unfreeze()

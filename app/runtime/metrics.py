@@ -14,6 +14,8 @@ it (`ecoscan_limit`, `ecoscan_cpu_workers`; `*_in_use`/`*_busy_workers`;
 
 from __future__ import annotations
 
+import gc
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -374,6 +376,11 @@ class Metrics:
             buckets=FAST_BUCKETS,
             registry=r,
         )
+        self.gc_young_threshold = Gauge(
+            "ecoscan_gc_young_threshold",
+            "Allocations between young collections: GC_YOUNG_THRESHOLD, less while a large heap slows them.",
+            registry=r,
+        )
         self.loop_lag_max = Gauge(
             "ecoscan_event_loop_lag_max_seconds", "Largest loop lag seen since start.", registry=r
         )
@@ -439,6 +446,7 @@ class Metrics:
 
     def observe_gc_pause(self, generation: int, seconds: float) -> None:
         self.gc_pause.labels(str(generation)).observe(seconds)
+        self.gc_young_threshold.set(gc.get_threshold()[0])  # app/runtime/heap.py resizes it
 
     def observe_cpu_job(self, queue_s: float, run_s: float) -> None:
         self.cpu_job.labels("queue").observe(queue_s)
