@@ -61,6 +61,24 @@ def test_calls_sent_before_it_failed_do_not_vouch_for_it() -> None:
     assert b.state == CLOSED
 
 
+def test_failures_of_calls_already_out_when_it_opened_neither_extend_nor_double_it() -> None:
+    # Six calls sent at once to a deployment that went down: the first three failures open
+    # it; the other three were on their way already and say nothing new. (They used to
+    # count as a new run of three and reopen it for twice as long.)
+    b = Breaker("a", open_base_s=2.0)
+    for t in (0.0, 0.01, 0.02):
+        b.failed(t, "5xx")
+    assert b.state == OPEN and b.open_until == pytest.approx(2.02)
+    for t in (0.03, 0.04, 0.05):
+        b.failed(t, "5xx")
+    assert b.open_until == pytest.approx(2.02) and b.ready(2.02)
+    b.failed(0.06, "429", wait_s=5.0)  # a provider's own wait still holds
+    assert b.open_until == pytest.approx(5.06)
+    b.begin(5.06)
+    b.failed(5.1, "5xx")  # the probe failed: now it doubles
+    assert b.open_until == pytest.approx(5.1 + 4.0)
+
+
 def test_a_failing_window_opens_it_without_a_run() -> None:
     b = Breaker("a")
     t = 0.0

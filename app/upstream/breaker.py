@@ -138,6 +138,14 @@ class Breaker:
         self.verdicts += 1
         self._record(now, ok=False)
         self._last_failure_at = now
+        if self.state == OPEN:
+            # Already open: this call was sent before it opened (or went anyway, with nowhere
+            # else to go). The probe after the cooldown decides; calls that were already on
+            # their way when it opened neither extend it nor double the next cooldown. A
+            # provider's own wait still holds.
+            if wait_s:
+                self.open_until = max(self.open_until, now + wait_s)
+            return
         self._failures_in_a_row += 1
         if (
             self.state == HALF_OPEN
