@@ -15,6 +15,8 @@ from app.limits.cpu_lane import CpuLane
 from app.limits.sizing import ADMISSION_FLOOR, CPU_QUEUE_WAIT_S, LimitSpec, Sizing
 from app.limits.stage_gate import StageGate
 
+from .sized_routes import replies, route_sizing, sized_route
+
 
 def interval(
     limit: AdaptiveLimit,
@@ -142,7 +144,7 @@ async def test_gate_resizes_without_cutting_holders_off() -> None:
     assert (gate.in_use, gate.waiting, order) == (4, 2, [0, 1, 2, 3])
     gate.limit = 1  # a fall: nobody is cut off, nobody new gets in
     await asyncio.sleep(0)
-    assert (gate.in_use, gate.waiting) == (4, 2) and gate.take_most_in_use() == 4
+    assert (gate.in_use, gate.waiting) == (4, 2)
     release.set()
     await asyncio.gather(*tasks)
     assert (gate.in_use, gate.waiting, order) == (0, 0, [0, 1, 2, 3, 4, 5])
@@ -179,12 +181,13 @@ async def test_admission_and_the_cpu_queue_follow_the_gates() -> None:
         gate.limiter = limiter
     admission = new_admission()
     cpu = CpuLane(max_workers=2, queue_limit=2)
-    rates = {"vision": 20.0, "answer": 20.0}
+    # One deployment per stage whose budget allows 20 calls/s.
+    routes = {stage: sized_route("only", stage, rate=20.0) for stage in gates}
     changes: list[tuple[str, str]] = []
     sizing = Sizing(
         gates=gates,
         gate_limits=limiters,
-        stage_rate=rates.__getitem__,
+        routes=route_sizing(*routes.values()),
         stage_requests=lambda _stage: 0,  # no scans yet: every stage counts for all
         admission=admission,
         admission_spec=LimitSpec(),
@@ -197,8 +200,9 @@ async def test_admission_and_the_cpu_queue_follow_the_gates() -> None:
     )
     try:
         for _ in range(3):
-            limiters["vision"].observe(1.0)
-            limiters["answer"].observe(3.0)
+            for stage, latency in (("vision", 1.0), ("answer", 3.0)):
+                gates[stage].observe(latency, overloaded=False)  # as each reply is fed
+                replies(routes[stage], latency, count=1)
             sizing.observe_cpu_job(0.0, 0.02)
             sizing.step()
         limits = sizing.limits()
@@ -212,7 +216,8 @@ async def test_admission_and_the_cpu_queue_follow_the_gates() -> None:
         assert limits["cpu_queue"] == math.ceil(2 * CPU_QUEUE_WAIT_S / job_s) == cpu.queue_limit
         assert ("admission", "little") in changes and ("vision_gate", "little") in changes
         # The budget halves: the gates and admission come down with it.
-        rates.update(vision=10.0, answer=10.0)
+        for route in routes.values():
+            route.rate_per_s = 10.0
         sizing.step()
         assert sizing.limits()["admission"] < limits["admission"] * 0.6
         assert sizing.limits()["answer_gate"] < limits["answer_gate"]
@@ -277,7 +282,7 @@ async def test_admission_follows_fixed_gates_at_their_measured_latency() -> None
         sizing = Sizing(
             gates=gates,
             gate_limits={},
-            stage_rate=lambda _stage: math.inf,
+            routes=route_sizing(),
             stage_requests=lambda _stage: 0,
             admission=admission,
             admission_spec=LimitSpec(),

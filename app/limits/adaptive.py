@@ -134,6 +134,22 @@ class AdaptiveLimit:
         self._most_in_use = 0
         return LimitChange(self.limit, reason)
 
+    def follow(self, limit: int, reason: str, *, oldest_in_progress_s: float = 0.0) -> LimitChange:
+        """One interval in which the limit is set from outside (a stage's gate, to the sum of
+        its routes' limits: app/limits/route_limits.py), clamped into [floor, ceiling]; the
+        latency estimates still follow this interval's replies."""
+        self._update_latency(oldest_in_progress_s)
+        # Strictly outside only: a limit at the floor or the ceiling already says why it is there.
+        if limit < self.floor:
+            limit, reason = self.floor, "floor"
+        if limit > self.ceiling:
+            limit, reason = self.ceiling, "ceiling"
+        self._limit = float(limit)
+        self.reason = reason
+        self._latency_sum, self._samples, self._overloads = 0.0, 0, 0
+        self._most_in_use = 0
+        return LimitChange(self.limit, reason)
+
     def _gradient_step(self) -> tuple[float, str]:
         """The limit this interval's latency and outcomes call for, before Little's bound."""
         if self._overloads:
