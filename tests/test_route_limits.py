@@ -184,7 +184,8 @@ def test_a_fixed_gate_keeps_its_number_while_its_routes_adapt() -> None:
 def test_a_route_counts_its_calls_from_the_gate_queue_to_the_end() -> None:
     route = sized_route("only")
     first, second = route.limit.enter(), route.limit.enter()
-    assert (route.limit.active, route.limit.has_room, route.limit.load) == (2, True, 2 / INITIAL_GATE_LIMIT)
+    assert (route.limit.active, route.limit.has_room) == (2, True)
+    assert route.limit.load_with_one_more == 3 / INITIAL_GATE_LIMIT
     route.limit.leave(first)
     route.limit.leave(second)
     assert route.limit.active == 0

@@ -125,22 +125,21 @@ async def test_within_a_priority_a_route_at_its_limit_passes_calls_to_one_with_r
     slow = route(stack, clock, "slow", rpm=600, priority=0, limit=4)
     fast = route(stack, clock, "fast", rpm=600, priority=0, limit=40)
     router = Router([slow, fast], clock, spill_after_s=SPILL_AFTER_S)
-    hold(slow, 1)
-    # Both have room: the smaller share of its limit in use (1/4 against 0/40).
+    # Both idle: the share of its limit each would hold with the call, 1/4 against 1/40.
     assert router.pick("vision", tokens) is fast
-    hold(fast, 9)  # 9/40 < 1/4
-    assert router.pick("vision", tokens) is fast
-    hold(fast, 1)  # 10/40 = 1/4: a tie goes to the first listed
+    hold(fast, 9)  # 10/40 = 1/4: a tie goes to the first listed
     assert router.pick("vision", tokens) is slow
-    hold(slow, 3)  # at its limit (4/4) while the other has room, whatever its load
-    hold(fast, 29)  # 39/40
-    assert router.pick("vision", tokens) is fast
-    hold(fast, 1)  # every one at its limit (4/4, 40/40): the smaller share, a tie to the first
+    hold(fast, 1)  # 11/40 > 1/4
     assert router.pick("vision", tokens) is slow
-    hold(fast, 5)  # 45/40 against 4/4
-    assert router.pick("vision", tokens) is slow
-    hold(slow, 2)  # 6/4 against 45/40
+    hold(slow, 1)  # 2/4 > 11/40
     assert router.pick("vision", tokens) is fast
+    hold(slow, 3)  # at its limit (4/4) while the other has room, whatever its share
+    hold(fast, 28)  # 38/40
+    assert router.pick("vision", tokens) is fast
+    hold(fast, 2)  # every one at its limit: as before, the smaller share with the call, 41/40 < 5/4
+    assert router.pick("vision", tokens) is fast
+    hold(fast, 10)  # 51/40 > 5/4
+    assert router.pick("vision", tokens) is slow
 
 
 async def test_a_route_with_room_whose_budget_is_too_slow_loses_to_one_at_its_limit(

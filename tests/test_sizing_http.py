@@ -148,12 +148,14 @@ async def test_a_deployment_that_slows_down_loses_slots_and_calls_to_the_other(
     database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fast = SimConfig(time_scale=0.02, rpm=0, tpm=0, latency_sigma=0.0, text_tokens=40)  # ~0.1 s a call
-    unbound = {"rpm": 10_000_000, "tpm": 10_000_000_000}  # no budget binds: latency alone sizes them
+    # 200 calls/s each: at ~0.1 s a call Little's law gives each ~30 slots, more than the
+    # users ever hold, so no gate and no budget holds calls back: where they go is the pick's.
+    budget = {"rpm": 12_000, "tpm": 100_000_000}
     async with simulators(2, fast) as (a, b):
-        listed = [deployment("slowing", a, **unbound), deployment("steady", b, **unbound)]
+        listed = [deployment("slowing", a, **budget), deployment("steady", b, **budget)]
         async with (
             routed_service(database_url, sim, monkeypatch, listed, scan_deadline_s=30.0) as svc,
-            steady_load(svc, users=32) as statuses,
+            steady_load(svc, users=12) as statuses,
         ):
 
             def route_limit(name: str) -> float:
@@ -180,10 +182,9 @@ async def test_a_deployment_that_slows_down_loses_slots_and_calls_to_the_other(
             )
             reasons = {"upstream": "slowing", "stage": "vision", "reason": "gradient"}
             assert svc.metric("ecoscan_upstream_limit_changes_total", reasons) > 0
-            assert route_limit("steady") >= before["steady"]
             assert svc.metric("ecoscan_upstream_state", {"upstream": "slowing"}) == 0  # no breaker opened
             # From now on the slow one holds fewer calls at once than the other (with the
-            # old pick, by fewest calls in flight, they held as many each) and gets few calls.
+            # old pick, by fewest calls in flight, it held as many or more) and gets few calls.
             calls_before = {name: routed(name) for name in ("slowing", "steady")}
             held: dict[str, list[float]] = {"slowing": [], "steady": []}
             for _ in range(SAMPLES):

@@ -55,9 +55,11 @@ class RouteLimit:
         return self.active < self.limiter.limit
 
     @property
-    def load(self) -> float:
-        """The share of its limit in use (past 1 when calls wait beyond it)."""
-        return self.active / self.limiter.limit
+    def load_with_one_more(self) -> float:
+        """The share of its limit in use once one more call takes it (past 1 when calls
+        wait beyond it). Counting the newcomer, an idle route with a small limit does not
+        win every tie against a busy one with a large limit."""
+        return (self.active + 1) / self.limiter.limit
 
     def enter(self) -> int:
         """An attempt on this route starts; returns the token `leave` takes."""

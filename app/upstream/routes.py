@@ -8,7 +8,9 @@ a call through (all but those taken out, when every one is open: `Router.usable`
 lowest `priority` whose budgets can admit the call before its deadline; within it, the
 one whose budget admits the call soonest among those with room under their own
 concurrency limit (app/limits/route_limits.py; all of them when none has room, or none
-with room can admit it in time), ties broken by the smallest share of its limit in use;
+with room can admit it in time), ties broken by the smallest share of its limit in use
+once the call is counted (weighted least connections: each route's share of the calls
+follows its limit);
 routes that already failed this call only when nothing else is left. A route's limit
 does not pass a priority over: a standby takes the calls a primary's budget or breaker
 cannot, not those past the primary's limit (the stage gate bounds those).
@@ -170,7 +172,7 @@ class Router:
             return waits[id(route)]
 
         def sooner(routes: Sequence[Route]) -> Route:
-            return min(routes, key=lambda r: (wait(r), r.limit.load))
+            return min(routes, key=lambda r: (wait(r), r.limit.load_with_one_more))
 
         if len(fresh) == 1:  # nowhere else to go: no budget to ask (its queue may be long)
             return fresh[0]
