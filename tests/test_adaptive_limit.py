@@ -90,6 +90,22 @@ def test_falls_when_latency_rises_and_recovers_when_it_settles() -> None:
     assert rising[-1] > falling[-1] and limit.reason in ("grow", "ceiling")
 
 
+def test_an_interval_without_a_reply_holds_a_cut_limit() -> None:
+    """Calls slower than the interval leave some intervals without a reply: those say
+    nothing new, and must not raise a limit the latency cut towards Little's target."""
+    limit = AdaptiveLimit(floor=4, ceiling=100_000, prior_latency_s=2.0, initial=256)
+    interval(limit, latency=0.1, rate=2000.0, used=10)  # the no-load latency: 0.1 s
+    cut = [interval(limit, latency=1.0, rate=2000.0) for _ in range(3)]
+    assert cut == sorted(cut, reverse=True) and limit.reason == "gradient"
+    # Little's target at 1 s a call is 3,000 slots; without replies the limit stays put.
+    assert [interval(limit, calls=0, rate=2000.0) for _ in range(3)] == [cut[-1]] * 3
+    assert limit.reason == "idle"
+    assert interval(limit, latency=1.0, rate=2000.0) < cut[-1]  # the next replies cut it on
+    # Only a smaller budget lowers a held limit.
+    assert limit.latency_s is not None
+    assert interval(limit, calls=0, rate=10.0) == int(10.0 * limit.latency_s * (1 + LITTLE_HEADROOM))
+
+
 def test_noise_within_the_tolerance_does_not_cut_it() -> None:
     limit = AdaptiveLimit(floor=4, ceiling=10_000, prior_latency_s=2.0, initial=64)
     seen = [interval(limit, latency=1.0 + 0.3 * (i % 2)) for i in range(6)]
