@@ -37,6 +37,7 @@ from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
 from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
+from app.limits.route_limits import RouteLimit, RouteSizing
 from app.limits.shared_budget import SharedRateBudget, holder_name
 from app.limits.shared_user_caps import SharedUserCaps
 from app.limits.sizing import (
@@ -338,6 +339,7 @@ async def _upstream(
                     budgets[key],
                     breaker,
                     negotiations[(d.name, model)],
+                    _route_limit(gates[stage]),
                 )
             )
     retry = RetryPolicy(
@@ -393,6 +395,20 @@ def _gate(settings: Settings, stage: str, box: BoxLimits) -> StageGate:
     return gate
 
 
+def _route_limit(gate: StageGate) -> RouteLimit:
+    """A route's own limit (app/limits/route_limits.py): as its stage's gate would be sized
+    alone, up to the gate's ceiling (a fixed gate's number)."""
+    ceiling = gate.ceiling
+    return RouteLimit(
+        AdaptiveLimit(
+            floor=min(GATE_FLOOR, ceiling),
+            ceiling=ceiling,
+            prior_latency_s=PRIOR_LATENCY_S,
+            initial=INITIAL_GATE_LIMIT,
+        )
+    )
+
+
 def _sizing(
     settings: Settings,
     upstream: Upstream,
@@ -407,7 +423,14 @@ def _sizing(
     sizing = Sizing(
         gates=gates,
         gate_limits={stage: gate.limiter for stage, gate in gates.items() if gate.limiter is not None},
-        stage_rate=upstream.call_rate,
+        routes=RouteSizing(
+            upstream.router.by_stage,
+            usable=upstream.router.usable,
+            rate=upstream.route_rate,
+            on_change=lambda route, stage, reason: metrics.upstream_limit_changes.labels(
+                route, stage, reason
+            ).inc(),
+        ),
         stage_requests=lambda stage: upstream.requests.get(stage, 0),
         admission=admission,
         admission_spec=admission_spec,
@@ -632,6 +655,9 @@ def _bind_gauges(
         metrics.budget_limit.labels(model, "tokens").set_function(_reader(budget, "effective_tpm"))
     for stage, gate in gates.items():
         metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
+    for route in upstream.routes:
+        metrics.upstream_limit.labels(route.name, route.stage).set_function(_reader(route.limit, "size"))
+        metrics.upstream_in_use.labels(route.name, route.stage).set_function(_reader(route.limit, "active"))
     metrics.cpu_queue_depth.set_function(lambda: cpu.waiting)
     metrics.cpu_busy.set_function(lambda: cpu.busy)
     metrics.cpu_workers.set_function(lambda: cpu.max_workers)

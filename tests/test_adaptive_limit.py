@@ -15,6 +15,8 @@ from app.limits.cpu_lane import CpuLane
 from app.limits.sizing import ADMISSION_FLOOR, CPU_QUEUE_WAIT_S, LimitSpec, Sizing
 from app.limits.stage_gate import StageGate
 
+from .sized_routes import replies, route_sizing, sized_route
+
 
 def interval(
     limit: AdaptiveLimit,
@@ -88,6 +90,22 @@ def test_falls_when_latency_rises_and_recovers_when_it_settles() -> None:
     assert rising[-1] > falling[-1] and limit.reason in ("grow", "ceiling")
 
 
+def test_an_interval_without_a_reply_holds_a_cut_limit() -> None:
+    """Calls slower than the interval leave some intervals without a reply: those say
+    nothing new, and must not raise a limit the latency cut towards Little's target."""
+    limit = AdaptiveLimit(floor=4, ceiling=100_000, prior_latency_s=2.0, initial=256)
+    interval(limit, latency=0.1, rate=2000.0, used=10)  # the no-load latency: 0.1 s
+    cut = [interval(limit, latency=1.0, rate=2000.0) for _ in range(3)]
+    assert cut == sorted(cut, reverse=True) and limit.reason == "gradient"
+    # Little's target at 1 s a call is 3,000 slots; without replies the limit stays put.
+    assert [interval(limit, calls=0, rate=2000.0) for _ in range(3)] == [cut[-1]] * 3
+    assert limit.reason == "idle"
+    assert interval(limit, latency=1.0, rate=2000.0) < cut[-1]  # the next replies cut it on
+    # Only a smaller budget lowers a held limit.
+    assert limit.latency_s is not None
+    assert interval(limit, calls=0, rate=10.0) == int(10.0 * limit.latency_s * (1 + LITTLE_HEADROOM))
+
+
 def test_noise_within_the_tolerance_does_not_cut_it() -> None:
     limit = AdaptiveLimit(floor=4, ceiling=10_000, prior_latency_s=2.0, initial=64)
     seen = [interval(limit, latency=1.0 + 0.3 * (i % 2)) for i in range(6)]
@@ -142,7 +160,7 @@ async def test_gate_resizes_without_cutting_holders_off() -> None:
     assert (gate.in_use, gate.waiting, order) == (4, 2, [0, 1, 2, 3])
     gate.limit = 1  # a fall: nobody is cut off, nobody new gets in
     await asyncio.sleep(0)
-    assert (gate.in_use, gate.waiting) == (4, 2) and gate.take_most_in_use() == 4
+    assert (gate.in_use, gate.waiting) == (4, 2)
     release.set()
     await asyncio.gather(*tasks)
     assert (gate.in_use, gate.waiting, order) == (0, 0, [0, 1, 2, 3, 4, 5])
@@ -179,12 +197,13 @@ async def test_admission_and_the_cpu_queue_follow_the_gates() -> None:
         gate.limiter = limiter
     admission = new_admission()
     cpu = CpuLane(max_workers=2, queue_limit=2)
-    rates = {"vision": 20.0, "answer": 20.0}
+    # One deployment per stage whose budget allows 20 calls/s.
+    routes = {stage: sized_route("only", stage, rate=20.0) for stage in gates}
     changes: list[tuple[str, str]] = []
     sizing = Sizing(
         gates=gates,
         gate_limits=limiters,
-        stage_rate=rates.__getitem__,
+        routes=route_sizing(*routes.values()),
         stage_requests=lambda _stage: 0,  # no scans yet: every stage counts for all
         admission=admission,
         admission_spec=LimitSpec(),
@@ -197,8 +216,9 @@ async def test_admission_and_the_cpu_queue_follow_the_gates() -> None:
     )
     try:
         for _ in range(3):
-            limiters["vision"].observe(1.0)
-            limiters["answer"].observe(3.0)
+            for stage, latency in (("vision", 1.0), ("answer", 3.0)):
+                gates[stage].observe(latency, overloaded=False)  # as each reply is fed
+                replies(routes[stage], latency, count=1)
             sizing.observe_cpu_job(0.0, 0.02)
             sizing.step()
         limits = sizing.limits()
@@ -212,7 +232,8 @@ async def test_admission_and_the_cpu_queue_follow_the_gates() -> None:
         assert limits["cpu_queue"] == math.ceil(2 * CPU_QUEUE_WAIT_S / job_s) == cpu.queue_limit
         assert ("admission", "little") in changes and ("vision_gate", "little") in changes
         # The budget halves: the gates and admission come down with it.
-        rates.update(vision=10.0, answer=10.0)
+        for route in routes.values():
+            route.rate_per_s = 10.0
         sizing.step()
         assert sizing.limits()["admission"] < limits["admission"] * 0.6
         assert sizing.limits()["answer_gate"] < limits["answer_gate"]
@@ -277,7 +298,7 @@ async def test_admission_follows_fixed_gates_at_their_measured_latency() -> None
         sizing = Sizing(
             gates=gates,
             gate_limits={},
-            stage_rate=lambda _stage: math.inf,
+            routes=route_sizing(),
             stage_requests=lambda _stage: 0,
             admission=admission,
             admission_spec=LimitSpec(),

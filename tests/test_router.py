@@ -1,6 +1,7 @@
 """`Router` on a clock the test sets, with real budgets and routes: which priority a call
-goes to when the first one's budget is slow, and what admission's look-ahead predicts
-when the capacity of every route is spent in that order."""
+goes to when the first one's budget is slow, which route within a priority when their own
+concurrency limits fill, and what admission's look-ahead predicts when the capacity of
+every route is spent in that order."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from contextlib import AsyncExitStack
 
 import pytest
 
+from app.limits.adaptive import AdaptiveLimit
 from app.limits.clock import FakeClock
 from app.limits.rate_budget import RateBudget
+from app.limits.route_limits import RouteLimit
 from app.settings import Settings
 from app.upstream.breaker import Breaker
 from app.upstream.deployments import Deployment
@@ -29,7 +32,10 @@ async def stack() -> AsyncIterator[AsyncExitStack]:
         yield stack
 
 
-def route(stack: AsyncExitStack, clock: FakeClock, name: str, *, rpm: int, priority: int) -> Route:
+def route(
+    stack: AsyncExitStack, clock: FakeClock, name: str, *, rpm: int, priority: int, limit: int = 64
+) -> Route:
+    """A vision route; `limit`: its own concurrency limit (no sizing here: it stays put)."""
     d = Deployment(
         name=name,
         provider="openai",
@@ -57,6 +63,7 @@ def route(stack: AsyncExitStack, clock: FakeClock, name: str, *, rpm: int, prior
         RateBudget(rpm=rpm, tpm=d.tpm, clock=clock, name=name),
         Breaker(name),
         Negotiation(name),
+        RouteLimit(AdaptiveLimit(floor=1, ceiling=limit, prior_latency_s=1.0, initial=limit)),
     )
 
 
@@ -103,3 +110,56 @@ async def test_routes_taken_out_lend_no_capacity_to_the_look_ahead(stack: AsyncE
     router = Router([primary, standby], clock, spill_after_s=SPILL_AFTER_S)
     standby.breaker.take_out(clock.now(), "401: invalid key", 300.0)
     assert router.predicted_wait("vision", tokens, ahead=100) > SPILL_AFTER_S
+
+
+def hold(route: Route, calls: int) -> None:
+    """`calls` attempts on `route` in progress (never left: the test ends with them)."""
+    for _ in range(calls):
+        route.limit.enter()
+
+
+async def test_within_a_priority_a_route_at_its_limit_passes_calls_to_one_with_room(
+    stack: AsyncExitStack,
+) -> None:
+    clock = FakeClock()
+    slow = route(stack, clock, "slow", rpm=600, priority=0, limit=4)
+    fast = route(stack, clock, "fast", rpm=600, priority=0, limit=40)
+    router = Router([slow, fast], clock, spill_after_s=SPILL_AFTER_S)
+    # Both idle: the share of its limit each would hold with the call, 1/4 against 1/40.
+    assert router.pick("vision", tokens) is fast
+    hold(fast, 9)  # 10/40 = 1/4: a tie goes to the first listed
+    assert router.pick("vision", tokens) is slow
+    hold(fast, 1)  # 11/40 > 1/4
+    assert router.pick("vision", tokens) is slow
+    hold(slow, 1)  # 2/4 > 11/40
+    assert router.pick("vision", tokens) is fast
+    hold(slow, 3)  # at its limit (4/4) while the other has room, whatever its share
+    hold(fast, 28)  # 38/40
+    assert router.pick("vision", tokens) is fast
+    hold(fast, 2)  # every one at its limit: as before, the smaller share with the call, 41/40 < 5/4
+    assert router.pick("vision", tokens) is fast
+    hold(fast, 10)  # 51/40 > 5/4
+    assert router.pick("vision", tokens) is slow
+
+
+async def test_a_route_with_room_whose_budget_is_too_slow_loses_to_one_at_its_limit(
+    stack: AsyncExitStack,
+) -> None:
+    for paused_s, chosen in ((20.0, "full"), (5.0, "roomy")):
+        clock = FakeClock()
+        full = route(stack, clock, "full", rpm=600, priority=0, limit=4)
+        roomy = route(stack, clock, "roomy", rpm=600, priority=0, limit=40)
+        router = Router([full, roomy], clock, spill_after_s=SPILL_AFTER_S)
+        hold(full, 4)
+        # Past what a call waits for a budget, the room does not count; within it, it does.
+        roomy.budget.pause(paused_s)
+        assert router.pick("vision", tokens, within_s=30.0).name == chosen
+
+
+async def test_a_route_limit_does_not_pass_a_priority_over(stack: AsyncExitStack) -> None:
+    clock = FakeClock()
+    primary = route(stack, clock, "primary", rpm=600, priority=0, limit=4)
+    standby = route(stack, clock, "standby", rpm=600, priority=1, limit=40)
+    router = Router([primary, standby], clock, spill_after_s=SPILL_AFTER_S)
+    hold(primary, 10)  # far past its limit: the calls wait at the stage gate, for the primary
+    assert router.pick("vision", tokens, within_s=30.0) is primary

@@ -1,5 +1,6 @@
 """The self-sizing limits over real HTTP against the simulator: the gates follow the
-upstream's latency and the budget, and admission follows the gates.
+upstream's latency and the budget, and admission follows the gates; with two deployments,
+each its own limit, and the calls follow the limits.
 (The algorithms step by step: tests/test_adaptive_limit.py.)"""
 
 from __future__ import annotations
@@ -10,9 +11,14 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 
+import pytest
+
+from app.limits.sizing import SIZING_INTERVAL_S
+from app.sim.config import SimConfig
 from app.sim.server import RunningSimulator
 
 from .conftest import Service, data_url, make_jpeg, run_scan, running_service, settings_for, sim_configure
+from .test_routing import deployment, routed_service, simulators
 
 # Distinct photos, so no reply cache could serve a scan (they are off here as well).
 PHOTOS = [data_url(make_jpeg(seed, (320, 240))) for seed in range(8)]
@@ -131,3 +137,61 @@ async def test_a_number_fixes_a_limit(database_url: str, sim: RunningSimulator) 
         assert limits(svc)["answer_gate"] <= 5
         outcome = await run_scan(svc.client, json={"image_url": PHOTOS[0]})
         assert outcome.terminal.event == "done"
+
+
+# The deployments' calls in progress, sampled this often and this many times to compare their loads.
+SAMPLE_EVERY_S = 0.1
+SAMPLES = 30
+
+
+async def test_a_deployment_that_slows_down_loses_slots_and_calls_to_the_other(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = SimConfig(time_scale=0.02, rpm=0, tpm=0, latency_sigma=0.0, text_tokens=40)  # ~0.1 s a call
+    # 200 calls/s each: at ~0.1 s a call Little's law gives each ~30 slots, more than the
+    # users ever hold, so no gate and no budget holds calls back: where they go is the pick's.
+    budget = {"rpm": 12_000, "tpm": 100_000_000}
+    async with simulators(2, fast) as (a, b):
+        listed = [deployment("slowing", a, **budget), deployment("steady", b, **budget)]
+        async with (
+            routed_service(database_url, sim, monkeypatch, listed, scan_deadline_s=30.0) as svc,
+            steady_load(svc, users=12) as statuses,
+        ):
+
+            def route_limit(name: str) -> float:
+                return svc.metric("ecoscan_upstream_limit", {"upstream": name, "stage": "vision"})
+
+            def routed(name: str) -> float:
+                return svc.metric("ecoscan_upstream_routed_total", {"upstream": name, "stage": "vision"})
+
+            def in_use(name: str) -> float:
+                return sum(
+                    svc.metric("ecoscan_upstream_in_use", {"upstream": name, "stage": stage})
+                    for stage in ("vision", "answer")
+                )
+
+            await until(svc, lambda _: min(routed("slowing"), routed("steady")) >= 20, "replies from both")
+            await asyncio.sleep(SIZING_INTERVAL_S * 1.5)  # a sizing step: each has its no-load latency
+            before = {name: route_limit(name) for name in ("slowing", "steady")}
+            assert svc.metric("ecoscan_limit", {"limit": "vision_gate"}) == sum(before.values())
+            await sim_configure(a, time_scale=0.2)  # one deployment slows down tenfold
+            await until(
+                svc,
+                lambda _: route_limit("slowing") < 0.5 * route_limit("steady"),
+                "the slow deployment's limit falls below the other's",
+            )
+            reasons = {"upstream": "slowing", "stage": "vision", "reason": "gradient"}
+            assert svc.metric("ecoscan_upstream_limit_changes_total", reasons) > 0
+            assert svc.metric("ecoscan_upstream_state", {"upstream": "slowing"}) == 0  # no breaker opened
+            # From now on the slow one holds fewer calls at once than the other (with the
+            # old pick, by fewest calls in flight, it held as many or more) and gets few calls.
+            calls_before = {name: routed(name) for name in ("slowing", "steady")}
+            held: dict[str, list[float]] = {"slowing": [], "steady": []}
+            for _ in range(SAMPLES):
+                for name, seen in held.items():
+                    seen.append(in_use(name))
+                await asyncio.sleep(SAMPLE_EVERY_S)
+            calls = {name: routed(name) - calls_before[name] for name in calls_before}
+    assert sum(held["slowing"]) < 0.75 * sum(held["steady"]), held
+    assert calls["steady"] > 5 * calls["slowing"], calls
+    assert statuses and set(statuses) == {200}, "no scan was refused or failed on the way"

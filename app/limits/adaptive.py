@@ -65,9 +65,9 @@ BASELINE_RISE = 0.05
 @dataclass(frozen=True)
 class LimitChange:
     """What one update did: the limit after it, and why: `grow` (every slot used,
-    latency normal), `steady` (slots to spare), `little` (the budget's rate x latency
-    bounds it), `gradient` (latency rose), `backoff` (the upstream said it has too
-    much), `floor` / `ceiling` (clamped)."""
+    latency normal), `steady` (slots to spare), `idle` (no reply this interval: held),
+    `little` (the budget's rate x latency bounds it), `gradient` (latency rose),
+    `backoff` (the upstream said it has too much), `floor` / `ceiling` (clamped)."""
 
     after: int
     reason: str
@@ -134,12 +134,33 @@ class AdaptiveLimit:
         self._most_in_use = 0
         return LimitChange(self.limit, reason)
 
+    def follow(self, limit: int, reason: str, *, oldest_in_progress_s: float = 0.0) -> LimitChange:
+        """One interval in which the limit is set from outside (a stage's gate, to the sum of
+        its routes' limits: app/limits/route_limits.py), clamped into [floor, ceiling]; the
+        latency estimates still follow this interval's replies."""
+        self._update_latency(oldest_in_progress_s)
+        # Strictly outside only: a limit at the floor or the ceiling already says why it is there.
+        if limit < self.floor:
+            limit, reason = self.floor, "floor"
+        if limit > self.ceiling:
+            limit, reason = self.ceiling, "ceiling"
+        self._limit = float(limit)
+        self.reason = reason
+        self._latency_sum, self._samples, self._overloads = 0.0, 0, 0
+        self._most_in_use = 0
+        return LimitChange(self.limit, reason)
+
     def _gradient_step(self) -> tuple[float, str]:
         """The limit this interval's latency and outcomes call for, before Little's bound."""
         if self._overloads:
             return self._limit * BACKOFF, "backoff"
         if not self._samples:
-            return self._limit, "steady"  # no reply this interval: nothing new to act on
+            # No reply this interval: nothing new to act on. Before the first one, Little's
+            # bound from the prior (or the oldest call out) is all there is to go by; after
+            # it, the limit stays where the replies left it (only a smaller budget lowers
+            # it): raised to Little's target meanwhile, a cut would be undone by every
+            # interval that calls slower than the interval leave without a reply.
+            return self._limit, "steady" if self.baseline_s is None else "idle"
         if self.latency_s and self.baseline_s:
             gradient = max(MIN_GRADIENT, min(1.0, TOLERANCE * self.baseline_s / self.latency_s))
             if gradient < 1.0:

@@ -1,9 +1,13 @@
 """Sizing: every limit set to `auto` follows what the upstream and the box can take,
 re-derived every `SIZING_INTERVAL_S`.
 
-- **Stage gates** (VISION_/ANSWER_CONCURRENCY): each an `AdaptiveLimit`
-  (app/limits/adaptive.py): Little's law from the calls per second the budgets allow
-  the stage and the measured call latency, corrected by latency and overload.
+- **Route limits and stage gates** (VISION_/ANSWER_CONCURRENCY): each route (one
+  deployment serving one stage) has an `AdaptiveLimit` (app/limits/adaptive.py): Little's
+  law from the calls per second its budget allows and its measured call latency,
+  corrected by its latency and its overloads (app/limits/route_limits.py). A gate at
+  `auto` is the sum of its usable routes' limits; its own `AdaptiveLimit` keeps the
+  stage's latency (every reply through the gate, whichever route: admission's service
+  time) and its floor and ceiling. A fixed gate keeps its number; its routes still adapt.
 - **Admission** (MAX_INFLIGHT_SCANS): the scans the gates can finish in time. A scan's
   service time is the sum of its stages' call latencies; at the rate X the gates (and
   so the budgets) sustain, Little's law gives X x (service time + MAX_BUDGET_WAIT_S)
@@ -19,8 +23,9 @@ starving, the ceiling is the configured cap (`auto:N`) or what the box holds
 limit (an override, e.g. for a benchmark's grid).
 
 What each limit is and why it last moved is on /metrics (`ecoscan_limit`,
-`ecoscan_limit_changes_total`); a move by more than `LOG_CHANGE_RATIO` since the last
-logged value is logged.
+`ecoscan_limit_changes_total`; per route `ecoscan_upstream_limit`,
+`ecoscan_upstream_limit_changes_total`); a move by more than `LOG_CHANGE_RATIO`
+(app/limits/moves.py) since the last logged value is logged.
 """
 
 from __future__ import annotations
@@ -30,24 +35,25 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from app.limits.adaptive import AdaptiveLimit
 from app.limits.admission import Admission
 from app.limits.cpu_lane import CpuLane
+from app.limits.moves import Moves
+from app.limits.route_limits import RouteSizing
 from app.limits.stage_gate import StageGate
 
 log = logging.getLogger(__name__)
 
 SIZING_INTERVAL_S = 1.0
-# A limit that moved by more than this factor since it was last logged is logged again.
-LOG_CHANGE_RATIO = 1.5
-# The lowest an automatic limit goes: a gate that backed off still probes with this many
-# calls, admission still lets this many scans in.
+# The lowest an automatic limit goes: a gate or a route that backed off still probes with
+# this many calls, admission still lets this many scans in.
 GATE_FLOOR = 4
 ADMISSION_FLOOR = 16
-# Before a stage's first call returns, its latency is assumed to be this (seconds).
+# Before a stage's (a route's) first call returns, its latency is assumed to be this (seconds).
 PRIOR_LATENCY_S = 2.0
-# A gate's first limit, at most: the limit doubles each interval from here while every
+# A gate's (a route's) first limit, at most: the limit doubles each interval from here while every
 # slot is used, so a process reaches thousands of slots in seconds without starting
 # with a flood.
 INITIAL_GATE_LIMIT = 64
@@ -108,7 +114,7 @@ class Sizing:
         *,
         gates: Mapping[str, StageGate],
         gate_limits: Mapping[str, AdaptiveLimit],
-        stage_rate: Callable[[str], float],
+        routes: RouteSizing[Any],
         stage_requests: Callable[[str], int],
         admission: Admission,
         admission_spec: LimitSpec,
@@ -122,7 +128,7 @@ class Sizing:
     ) -> None:
         self._gates = gates
         self._gate_limits = gate_limits
-        self._stage_rate = stage_rate
+        self._routes = routes
         self._stage_requests = stage_requests
         self._admission = admission
         self._admission_spec = admission_spec
@@ -131,11 +137,9 @@ class Sizing:
         self._cpu = cpu
         self._cpu_queue_spec = cpu_queue_spec
         self._cpu_queue_ceiling = cpu_queue_ceiling
-        self._on_change = on_change
         self._interval_s = interval_s
         self._cpu_job_s = PRIOR_CPU_JOB_S
-        self._values: dict[str, int] = self.limits()
-        self._logged: dict[str, int] = dict(self._values)
+        self._moves: Moves[str] = Moves(on_change, str, self.limits())
 
     def limits(self) -> dict[str, int]:
         """Every limit this process runs with now, by name (the gauge's label)."""
@@ -156,13 +160,14 @@ class Sizing:
                 log.exception("sizing the limits failed; trying again in %.0f s", self._interval_s)
 
     def step(self) -> None:
-        """One interval: gates first (admission follows them), then the CPU lane's queue."""
-        for stage, limiter in self._gate_limits.items():
-            gate = self._gates[stage]
-            limiter.in_use(gate.take_most_in_use())
-            change = limiter.update(
-                rate_per_s=self._stage_rate(stage), oldest_in_progress_s=gate.oldest_held_s()
-            )
+        """One interval: routes, then the gates (the sum of their routes'), admission
+        (which follows the gates), then the CPU lane's queue."""
+        for stage, gate in self._gates.items():
+            total, reason = self._routes.step(stage)
+            limiter = self._gate_limits.get(stage)
+            if limiter is None:
+                continue  # fixed: its routes adapt (and steer the router), its number stays
+            change = limiter.follow(total, reason, oldest_in_progress_s=gate.oldest_held_s())
             gate.limit = change.after
             self._moved(f"{stage}_gate", change.after, change.reason)
         if self._admission_spec.auto:
@@ -201,13 +206,7 @@ class Sizing:
         return _clamp(size, workers * CPU_QUEUE_FLOOR_PER_WORKER, self._cpu_queue_ceiling, "little")
 
     def _moved(self, name: str, value: int, reason: str) -> None:
-        if value != self._values.get(name):
-            self._on_change(name, reason)
-            self._values[name] = value
-        logged = self._logged.get(name, value)
-        if max(value, logged) > LOG_CHANGE_RATIO * min(value, logged):
-            log.info("limit %s: %d -> %d (%s)", name, logged, value, reason)
-            self._logged[name] = value
+        self._moves.moved(name, value, reason)
 
 
 def _clamp(size: int, floor: int, ceiling: int, reason: str) -> tuple[int, str]:

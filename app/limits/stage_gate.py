@@ -27,7 +27,6 @@ class StageGate:
         self.stage = stage
         self._limit = limit
         self.in_use = 0
-        self.most_in_use = 0  # since `take_most_in_use` last read it
         # FIFO of waiters; one that gave up stays in it, done, until `_wake` passes it by
         # (removing it from the middle would cost a walk of the queue per give-up).
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -75,11 +74,6 @@ class StageGate:
         if self.limiter is not None:
             self.limiter.observe(latency_s, overloaded=overloaded)
 
-    def take_most_in_use(self) -> int:
-        """The most slots held at once since the last call (at least those held now)."""
-        most, self.most_in_use = self.most_in_use, self.in_use
-        return most
-
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[float]:
         """Hold a slot for the body; yields the seconds spent waiting for it."""
@@ -99,8 +93,6 @@ class StageGate:
 
     def _take(self) -> None:
         self.in_use += 1
-        if self.in_use > self.most_in_use:
-            self.most_in_use = self.in_use
 
     async def _wait(self) -> None:
         """Queue (FIFO) until `_wake` hands this waiter a slot: the slot is taken on its

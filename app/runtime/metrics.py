@@ -236,6 +236,27 @@ class Metrics:
             ["upstream", "parameter"],
             registry=r,
         )
+        # Each route's own concurrency limit (app/limits/route_limits.py), by deployment and stage.
+        self.upstream_limit = Gauge(
+            "ecoscan_upstream_limit",
+            "Each deployment's concurrency limit for a stage (its calls, queued at the stage gate or"
+            " the budget, or sent); an automatic stage gate is their sum over usable deployments.",
+            ["upstream", "stage"],
+            registry=r,
+        )
+        self.upstream_limit_changes = Counter(
+            "ecoscan_upstream_limit_changes_total",
+            "Moves of a deployment's concurrency limit, by why: grow, steady, little, gradient, backoff,"
+            " floor, ceiling.",
+            ["upstream", "stage", "reason"],
+            registry=r,
+        )
+        self.upstream_in_use = Gauge(
+            "ecoscan_upstream_in_use",
+            "Calls of a stage on each deployment now: queued at the stage gate or the budget, or sent.",
+            ["upstream", "stage"],
+            registry=r,
+        )
         self.upstream_restarts = Counter(
             "ecoscan_upstream_stream_restarts_total",
             "Streamed calls that failed after their first token and started again "
@@ -289,13 +310,15 @@ class Metrics:
         )
         self.limit_changes = Counter(
             "ecoscan_limit_changes_total",
-            "Moves of an automatic limit, by why: grow, steady, little, gradient, backoff, floor, ceiling.",
+            "Moves of an automatic limit, by why: grow, steady, little, gradient, backoff, floor, ceiling;"
+            " routes (a gate whose deployments came or went).",
             ["limit", "reason"],
             registry=r,
         )
         self.limit_latency = Gauge(
             "ecoscan_limit_latency_seconds",
-            "A stage's call latency as its automatic gate sees it: recent, and baseline (no load).",
+            "A stage's call latency as its automatic gate sees it (every reply, whichever deployment):"
+            " recent, and baseline (no load).",
             ["stage", "kind"],
             registry=r,
         )

@@ -79,8 +79,8 @@ REJECTED_KEY_MESSAGE = (
 BUDGET_SPENT_MESSAGE = (
     "No AI service's rate budget can take the call before the scan's deadline; retry later."
 )
-# Failures that say the upstream has more than it can take: the stage gate's automatic
-# limit backs off (app/limits/adaptive.py).
+# Failures that say the upstream has more than it can take: its route's automatic
+# limit backs off, and the stage gate with it (app/limits/route_limits.py).
 OVERLOAD_REASONS = frozenset({"429", "5xx", "timeout"})
 # Replies that broke on the way (a cut stream, a body that is not JSON): the deployment's
 # failure, where a refusal, a filter or a token cap is an answer.
@@ -136,22 +136,21 @@ class Upstream:
         queued_at_gates = sum(g.waiting for g in self.gates.values())
         return self.router.predicted_wait(stage, tokens, ahead=ahead + queued_at_gates)
 
-    def call_rate(self, stage: str) -> float:
-        """Calls per second the budgets would let `stage` make if it had them to itself, over
-        its routes that take calls: what its gate may need slots for (app/limits/sizing.py).
-        Not split between the stages that share a budget: how they share it depends on the
-        scans (a vision reply from the cache makes no call), and a gate sized for the whole
-        budget costs nothing while the budget, not the gate, holds the calls back."""
-        tokens = self._tokens_per_call.get(stage)
-        # Deployments of one limit group share one budget: counted once.
-        budgets = {id(r.budget): r.budget for r in self.router.by_stage.get(stage, []) if not r.breaker.out}
-        rate = 0.0
-        for budget in budgets.values():
-            calls = budget.effective_rpm / 60
-            if tokens:
-                calls = min(calls, budget.effective_tpm / 60 / tokens)
-            rate += calls
-        return rate
+    def route_rate(self, route: Route) -> float:
+        """Calls per second `route`'s budget would let it make if it had the budget to itself
+        (0 while taken out): what its limit may need slots for (app/limits/route_limits.py).
+        Not split between the stages, nor the deployments of a limit group, that share a
+        budget: how they share it depends on the scans (a vision reply from the cache makes
+        no call) and the routing, and a limit sized for the whole budget costs nothing
+        while the budget, not the limit, holds the calls back."""
+        if route.breaker.out:
+            return 0.0
+        budget = route.budget
+        calls = budget.effective_rpm / 60
+        tokens = self._tokens_per_call.get(route.stage)
+        if tokens:
+            calls = min(calls, budget.effective_tpm / 60 / tokens)
+        return calls
 
     async def complete(self, request: ChatRequest, *, deadline: float) -> ChatResult:
         return await self._with_retries(request, deadline, None, None)
@@ -319,6 +318,7 @@ class Upstream:
         gate = self.gates[call.stage]
         m = self._metrics
         breaker = route.breaker
+        entered = route.limit.enter()  # the route's from now: `Router.pick` counts it there
         try:
             async with gate.hold() as gate_wait:
                 m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
@@ -342,7 +342,6 @@ class Upstream:
                 verdicts = breaker.verdicts
                 started, sent_at = time.perf_counter(), self._clock.now()
                 self.reservations_open += 1
-                route.in_flight += 1
                 overloaded: bool | None = None  # None: the call said nothing (cancelled)
                 try:
                     await self._call(route, call, reservation, read_stream, result)
@@ -357,7 +356,6 @@ class Upstream:
                             breaker.succeeded(self._clock.now(), sent_at)
                     raise
                 finally:
-                    route.in_flight -= 1
                     self.reservations_open -= 1
                     # Whatever happened (success, error, cancellation), the reservation is
                     # settled exactly once; an unsettled one here means "spent as reserved".
@@ -365,9 +363,11 @@ class Upstream:
                     elapsed = time.perf_counter() - started
                     if overloaded is not None:
                         gate.observe(elapsed, overloaded=overloaded)
+                        route.limit.observe(elapsed, overloaded=overloaded)
                     result.service_s += elapsed
                     m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
         finally:
+            route.limit.leave(entered)
             if probe:  # no verdict (cancelled, or never sent): the next call may probe
                 breaker.released(probe)
 

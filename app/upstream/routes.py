@@ -4,11 +4,18 @@ go (the deployment's breaker), and how the deployment's model is asked (the stag
 shaped for that model, its provider's body rules, what it refused so far).
 
 `Router.pick` chooses a route per attempt: among the stage's routes whose breaker lets
-a call through (all but those taken out, when every one is open), the lowest
-`priority` whose budgets can admit the call before its deadline; within it, the one
-whose budget admits the call soonest, ties broken by fewest calls in flight; routes that
-already failed this call only when nothing else is left. `Router.predicted_wait`, what
-admission asks, spends the routes' capacity in the same order.
+a call through (all but those taken out, when every one is open: `Router.usable`), the
+lowest `priority` whose budgets can admit the call before its deadline; within it, the
+one whose budget admits the call soonest among those with room under their own
+concurrency limit (app/limits/route_limits.py; all of them when none has room, or none
+with room can admit it in time), ties broken by the smallest share of its limit in use
+once the call is counted (weighted least connections: each route's share of the calls
+follows its limit);
+routes that already failed this call only when nothing else is left. A route's limit
+does not pass a priority over: a standby takes the calls a primary's budget or breaker
+cannot, not those past the primary's limit (the stage gate bounds those).
+`Router.predicted_wait`, what admission asks, spends the routes' capacity in the same
+order.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 
 from app.limits.clock import Clock
 from app.limits.rate_budget import RateBudget
+from app.limits.route_limits import RouteLimit
 from app.limits.timeouts import RecentPeak
 from app.upstream.breaker import Breaker
 from app.upstream.call import ChatCall, ChatRequest
@@ -41,7 +49,7 @@ class Route:
     budget: RateBudget  # one per limit group and model
     breaker: Breaker  # one per deployment
     negotiation: Negotiation  # one per deployment and model
-    in_flight: int = 0
+    limit: RouteLimit  # its own concurrency limit: its calls, from the stage gate's queue on
     # How long this deployment's replies to this stage took lately, to their head (a
     # whole reply when not streamed): how long the next one is waited for.
     reply_took: RecentPeak = field(default_factory=RecentPeak)
@@ -129,6 +137,14 @@ class Router:
     def routes(self) -> list[Route]:
         return [route for routes in self.by_stage.values() for route in routes]
 
+    def usable(self, stage: str) -> list[Route]:
+        """The `stage` routes that can take calls now: those whose breaker lets a call
+        through; with none, those not taken out (a breaker steers calls between
+        deployments, it does not stop the last ones)."""
+        now = self._clock.now()
+        routes = self.by_stage.get(stage, [])
+        return [r for r in routes if r.breaker.ready(now)] or [r for r in routes if not r.breaker.out]
+
     def pick(
         self,
         stage: str,
@@ -142,13 +158,10 @@ class Router:
         the call's deadline. A priority whose budgets cannot admit the call by then, or
         within `spill_after_s`, is passed over for the next (with none that can, the
         route that admits it soonest)."""
-        now = self._clock.now()
-        routes = self.by_stage.get(stage, [])
-        # With every route open, the calls go on anyway (a breaker steers calls between
-        # deployments, it does not stop the last ones): only routes taken out are skipped.
-        ready = [r for r in routes if r.breaker.ready(now)] or [r for r in routes if not r.breaker.out]
+        ready = self.usable(stage)
         if not ready:
-            soonest = min((r.breaker.open_until for r in routes), default=now + 1.0)
+            now = self._clock.now()
+            soonest = min((r.breaker.open_until for r in self.by_stage.get(stage, [])), default=now + 1.0)
             raise NoRoute(stage, max(0.0, soonest - now))
         fresh = [r for r in ready if not avoid or r.name not in avoid] or ready
         waits: dict[int, float] = {}
@@ -158,18 +171,24 @@ class Router:
                 waits[id(route)] = route.budget.predicted_wait(tokens(route))
             return waits[id(route)]
 
+        def sooner(routes: Sequence[Route]) -> Route:
+            return min(routes, key=lambda r: (wait(r), r.limit.load_with_one_more))
+
         if len(fresh) == 1:  # nowhere else to go: no budget to ask (its queue may be long)
             return fresh[0]
-        limit = min(math.inf if within_s is None else within_s, self._spill_after_s)
+        horizon_s = min(math.inf if within_s is None else within_s, self._spill_after_s)
         best: Route | None = None
         for level in _by_priority(fresh):
-            if len(level) == 1 and limit == math.inf:
+            if len(level) == 1 and horizon_s == math.inf:
                 return level[0]
-            first = min(level, key=lambda r: (wait(r), r.in_flight))
-            if wait(first) <= limit:
-                return first
-            if best is None or wait(first) < wait(best):
-                best = first
+            roomy = [r for r in level if r.limit.has_room]
+            if roomy and wait(chosen := sooner(roomy)) <= horizon_s:
+                return chosen
+            chosen = sooner(level)
+            if wait(chosen) <= horizon_s:
+                return chosen
+            if best is None or wait(chosen) < wait(best):
+                best = chosen
         assert best is not None  # `fresh` is never empty
         return best
 
@@ -181,9 +200,7 @@ class Router:
         priority over) falls to the next. Open breakers count as closed
         when every route is open (calls then go on at the retry policy's pace, probing);
         routes taken out do not count (nothing waits for them but their cooldown)."""
-        now = self._clock.now()
-        routes = self.by_stage.get(stage, [])
-        usable = [r for r in routes if r.breaker.ready(now)] or [r for r in routes if not r.breaker.out]
+        usable = self.usable(stage)
         if not usable:  # every one taken out: no budget to wait for, the call fails at once and says why
             return 0.0
         horizon_s = self._spill_after_s
