@@ -157,3 +157,17 @@ async def test_two_scans_of_one_user_and_character_in_one_statement_give_it_once
         assert await reward._record_many(rows[:1]) == [False]  # owned since
     finally:
         await pool.close()
+
+
+async def test_a_drain_cancelled_with_writes_queued_fails_them_rather_than_leave_them_waiting() -> None:
+    statements = Statements()
+    commit = GroupCommit(statements.write, error=database_error, flushes=1)
+    statements.hold.clear()
+    first = asyncio.create_task(commit.submit(1))
+    await asyncio.sleep(0.01)
+    queued = asyncio.create_task(commit.submit(2))
+    await asyncio.sleep(0.01)
+    (drain,) = commit._running
+    drain.cancel()  # as at the loop's end
+    outcomes = await asyncio.gather(first, queued, return_exceptions=True)
+    assert all(isinstance(o, DatabaseError) for o in outcomes), outcomes

@@ -10,7 +10,10 @@ for a few turns, and the pool, not the database, caps the writes: they queue pas
 goes at once, alone (no delay at a light load); the writes that come while all are busy
 wait and go together in the next, up to `max_batch` rows: the busier the process, the
 larger the batches, and the connections and loop turns a row costs shrink with them.
-Each caller still gets its own row's result, or its own error.
+Each caller still gets its own row's result, or its own error. A write waits at most for
+the batches ahead of it, each bounded by the writer's own timeouts (`DB_TIMEOUT_S` for its
+connection and for its statement): in an outage, ceil(queued / (`flushes` x
+`max_batch`)) of them.
 """
 
 from __future__ import annotations
@@ -77,8 +80,12 @@ class GroupCommit(Generic[T, R]):
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(self._error(exc))
-                if not isinstance(exc, Exception):
-                    raise  # cancelled (shutdown): the callers were told; so is the loop
+                if not isinstance(exc, Exception):  # cancelled (the loop ends): no drain
+                    while self._queue:  # goes on, so nobody waits for one
+                        _, future = self._queue.popleft()
+                        if not future.done():
+                            future.set_exception(self._error(exc))
+                    raise
                 continue
             for (_, future), result in zip(batch, results, strict=True):
                 if not future.done():
