@@ -39,8 +39,7 @@ def database_error(exc: BaseException) -> DatabaseError:
 # had free when the process started (replicas starting together then leave each other
 # room: a half, a quarter...). A scan holds a connection only for single statements, but
 # each is held until the loop reads its reply: with thousands of scans in flight the loop
-# lags and 20 connections queue the rows and the reward past DB_TIMEOUT_S
-# (docs/benchmarks.md, "Limits that size themselves").
+# lags, so the scans' writes also go many to a statement (app/db/batch.py).
 AUTO_POOL_MAX = 64
 
 
