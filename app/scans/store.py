@@ -1,6 +1,7 @@
 """The `scans` table: one row per accepted scan, written twice — `running` when the
 scan is accepted (before the stream starts, so a database outage is a clean 503),
-and once more with its terminal status. Nothing accepted goes unrecorded, and no
+and once more with its terminal status (each write, when the process is busy, in one
+statement with other scans': app/db/batch.py). Nothing accepted goes unrecorded, and no
 row stays `running`:
 
 - The terminal write is the process's word on what the client was told, so it
@@ -41,9 +42,6 @@ _INSERT = """
                        idempotency_scope, idempotency_key, request_sha256, token_sha256, retry_of)
     VALUES ($1, $2, 'running', $3, $4, $5, $6, $7, $8, $9, $10, $11)"""
 
-# A retry takes the key from the scan it retries, which must have ended (retryably: the
-# caller checked); a concurrent retry that took it first leaves nothing to take here, and
-# its new row then wins the unique index.
 # Plain inserts (no idempotency key, no retry: nothing to conflict with), many at once
 # (app/db/batch.py). JSON and arrays travel as text: asyncpg reads a list inside an
 # array parameter as another dimension.
@@ -53,6 +51,9 @@ _INSERT_MANY = """
     FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $7::text[])
         AS r(id, user_id, image_source, image_sha256, user_input, token_sha256)"""
 
+# A retry takes the key from the scan it retries, which must have ended (retryably: the
+# caller checked); a concurrent retry that took it first leaves nothing to take here, and
+# its new row then wins the unique index.
 _RELEASE_KEY = """
     UPDATE scans SET idempotency_key = NULL
     WHERE id = $1 AND idempotency_scope = $2 AND idempotency_key = $3 AND status <> 'running'"""
