@@ -11,7 +11,7 @@ import asyncpg
 
 from app.db.batch import GroupCommit
 from app.db.migrations import apply_migrations, bundled_migrations
-from app.db.pool import create_pool, database_error
+from app.db.pool import create_pool, database_error, row_error
 from app.errors import DatabaseError, ProcessLost
 from app.scans.store import ScanStore, TerminalRow
 from app.stages.reward import RewardStage
@@ -171,3 +171,77 @@ async def test_a_drain_cancelled_with_writes_queued_fails_them_rather_than_leave
     drain.cancel()  # as at the loop's end
     outcomes = await asyncio.gather(first, queued, return_exceptions=True)
     assert all(isinstance(o, DatabaseError) for o in outcomes), outcomes
+
+
+async def test_a_write_queued_as_the_drains_end_gets_a_drain_of_its_own() -> None:
+    # Each caller writes again as soon as its first write returns: that second write is
+    # queued in the step the drain saw the queue empty and ended. (It used to wait for
+    # nobody: the drain left the running set a loop turn later.)
+    async def write(items: Sequence[int]) -> list[int]:
+        await asyncio.sleep(0.001)
+        return list(items)
+
+    for flushes in (1, 2, 4):
+        commit = GroupCommit(write, error=database_error, flushes=flushes)
+
+        async def twice(i: int, commit: GroupCommit[int, int] = commit) -> int:
+            await commit.submit(i)
+            return await commit.submit(i + 100)
+
+        async with asyncio.timeout(5):
+            assert await asyncio.gather(*(twice(i) for i in range(flushes))) == [
+                i + 100 for i in range(flushes)
+            ]
+
+
+async def test_a_row_the_database_refuses_fails_its_own_write_only_an_outage_fails_all() -> None:
+    calls: list[list[int]] = []
+    outage = False
+
+    async def write(items: Sequence[int]) -> list[int]:
+        calls.append(list(items))
+        await asyncio.sleep(0)
+        if outage:
+            raise DatabaseError() from OSError("connection refused")
+        if 13 in items:
+            raise DatabaseError() from asyncpg.DataError("unsupported Unicode escape sequence")
+        return list(items)
+
+    commit = GroupCommit(write, error=database_error, split=row_error, flushes=1)
+    first = asyncio.create_task(commit.submit(0))
+    await asyncio.sleep(0)
+    outcomes = await asyncio.gather(*(commit.submit(i) for i in range(10, 16)), first, return_exceptions=True)
+    assert outcomes[:3] + outcomes[4:6] == [10, 11, 12, 14, 15] and outcomes[6] == 0
+    assert isinstance(outcomes[3], DatabaseError) and isinstance(outcomes[3].__cause__, asyncpg.DataError)
+    assert calls[1] == list(range(10, 16)) and calls[2:] == [[i] for i in range(10, 16)]  # then one by one
+
+    calls.clear()
+    outage = True
+    outcomes = await asyncio.gather(*(commit.submit(i) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(o, DatabaseError) for o in outcomes)
+    assert calls == [[0, 1, 2]]  # not retried row by row: the database is away
+
+
+async def test_a_terminal_row_postgresql_refuses_fails_that_scan_only(database_url: str) -> None:
+    pool = await migrated_pool(database_url)
+    store = ScanStore(pool, instance_id=uuid.uuid4(), timeout_s=5.0)
+    ids = [uuid.uuid4() for _ in range(6)]
+    try:
+        for scan_id in ids:
+            await store.create(
+                scan_id, user_id="nul", image_source="data_url", image_sha256=None, user_input=None
+            )
+        # jsonb holds no NUL: an answer with one is refused (DataError), for its row alone.
+        texts = [f"answer {n}" for n in range(6)]
+        texts[2] = "a\x00b"
+        rows = [TerminalRow("completed", {"answer": {"text": text}}) for text in texts]
+        outcomes = await asyncio.gather(
+            *(store.finish(i, r) for i, r in zip(ids, rows, strict=True)), return_exceptions=True
+        )
+        assert [type(o).__name__ for o in outcomes] == ["NoneType"] * 2 + ["DatabaseError"] + ["NoneType"] * 3
+        async with pool.acquire() as conn:
+            statuses = await conn.fetch("SELECT status FROM scans WHERE id = ANY($1::uuid[])", ids)
+        assert sorted(r["status"] for r in statuses) == ["completed"] * 5 + ["running"]
+    finally:
+        await store.close(5.0)
+        await pool.close()

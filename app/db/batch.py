@@ -39,15 +39,19 @@ class GroupCommit(Generic[T, R]):
         self,
         write: Callable[[Sequence[T]], Awaitable[Sequence[R]]],
         *,
-        error: Callable[[BaseException], Exception],
+        error: Callable[[Exception], Exception],
+        split: Callable[[Exception], bool] = lambda _exc: False,
         flushes: int = FLUSHES,
         max_batch: int = MAX_BATCH,
     ) -> None:
         """`write(items)`: one statement for them all, the result of each in order (its
         errors: the whole batch failed); `error(exc)`: what each caller of that batch gets
-        raised (a new exception each)."""
+        raised (a new exception each); `split(exc)`: whether one row may have caused it
+        (then each row of the batch is written alone, so one bad row fails only its own
+        caller), rather than the database being away (then all fail at once)."""
         self._write = write
         self._error = error
+        self._split = split
         self._flushes = flushes
         self._max_batch = max_batch
         self._queue: collections.deque[tuple[T, asyncio.Future[R]]] = collections.deque()
@@ -61,9 +65,7 @@ class GroupCommit(Generic[T, R]):
         entry = (item, future)
         self._queue.append(entry)
         if len(self._running) < self._flushes:
-            task = asyncio.create_task(self._drain(), name="db-group-commit")
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._running.add(asyncio.create_task(self._drain(), name="db-group-commit"))
         try:
             return await future
         except asyncio.CancelledError:
@@ -72,26 +74,45 @@ class GroupCommit(Generic[T, R]):
             raise
 
     async def _drain(self) -> None:
-        while self._queue:
-            batch = [self._queue.popleft() for _ in range(min(len(self._queue), self._max_batch))]
-            try:
-                results = await self._write([item for item, _ in batch])
-            except BaseException as exc:
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(self._error(exc))
-                if not isinstance(exc, Exception):  # cancelled (the loop ends): no drain
-                    while self._queue:  # goes on, so nobody waits for one
-                        _, future = self._queue.popleft()
-                        if not future.done():
-                            future.set_exception(self._error(exc))
-                    raise
-                continue
-            for (_, future), result in zip(batch, results, strict=True):
+        try:
+            while self._queue:
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self._max_batch))]
+                await self._flush(batch)
+        finally:
+            # Gone from the running set in the same step as the queue was seen empty: a
+            # write queued after this starts a drain of its own (a done callback would
+            # run a turn later, and a write queued meanwhile would wait for nobody).
+            task = asyncio.current_task()
+            if task is not None:
+                self._running.discard(task)
+
+    async def _flush(self, batch: list[tuple[T, asyncio.Future[R]]]) -> None:
+        try:
+            results = await self._write([item for item, _ in batch])
+        except Exception as exc:
+            if len(batch) > 1 and self._split(exc):
+                for entry in batch:  # one row's fault, maybe: each alone
+                    await self._flush([entry])
+                return
+            for _, future in batch:
                 if not future.done():
-                    future.set_result(result)
+                    future.set_exception(self._error(exc))
+            return
+        except BaseException:  # cancelled (the loop ends): no drain goes on,
+            for _, future in [*batch, *self._queue]:  # so nobody waits for one
+                if not future.done():
+                    future.set_exception(self._error(DrainCancelled()))
+            self._queue.clear()
+            raise
+        for (_, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result(result)
 
     async def close(self) -> None:
         """Wait for the statements in progress (each bounded by the writer's timeouts)."""
         if self._running:
             await asyncio.wait(list(self._running))
+
+
+class DrainCancelled(Exception):
+    """The writes still queued when the loop cancelled their drain."""

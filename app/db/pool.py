@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import asyncpg
 import orjson
 
+from app.db.batch import DrainCancelled
 from app.errors import DatabaseError
 
 if TYPE_CHECKING:
@@ -27,12 +28,26 @@ DB_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-def database_error(exc: BaseException) -> DatabaseError:
+def database_error(exc: Exception) -> Exception:
     """What each write of a batch that failed raises (app/db/batch.py): a `DatabaseError`
-    of its own, the database's error its cause."""
+    of its own, the database's error its cause (our own bug raises as itself: a failed
+    batch that was ours to blame is split, so it has one caller)."""
+    cause = exc.__cause__ if isinstance(exc, DatabaseError) else exc
+    if not isinstance(exc, DatabaseError) and not isinstance(cause, (*DB_ERRORS, DrainCancelled)):
+        return exc
     error = DatabaseError()
-    error.__cause__ = exc.__cause__ if isinstance(exc, DatabaseError) else exc
+    error.__cause__ = cause
     return error
+
+
+def row_error(exc: Exception) -> bool:
+    """Could one row of a failed batch be the cause (the server refused the statement for
+    its data, or our code failed on it), rather than the database being away: no
+    connection, a timeout, the server shutting down (SQLSTATE classes 08 and 57)?"""
+    cause = exc.__cause__ if isinstance(exc, DatabaseError) else exc
+    if isinstance(cause, OSError | asyncpg.InterfaceError | DrainCancelled):
+        return False
+    return str(getattr(cause, "sqlstate", "") or "")[:2] not in ("08", "57")
 
 
 # `DB_POOL_MAX=auto`: at most this many connections, and at most half of what the server

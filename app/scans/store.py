@@ -32,7 +32,7 @@ import asyncpg
 import orjson
 
 from app.db.batch import GroupCommit
-from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX, database_error
+from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX, database_error, row_error
 from app.errors import DatabaseError, DatabaseUnavailable, ProcessLost, retryable_scan_codes
 
 log = logging.getLogger(__name__)
@@ -254,8 +254,8 @@ class ScanStore:
         self._timeout_s = timeout_s
         self._deferred: dict[uuid.UUID, TerminalRow] = {}
         self._retrying: asyncio.Task[None] | None = None
-        self._inserts = GroupCommit(self._insert_many, error=database_error)
-        self._finishes = GroupCommit(self._finish_many, error=database_error)
+        self._inserts = GroupCommit(self._insert_many, error=database_error, split=row_error)
+        self._finishes = GroupCommit(self._finish_many, error=database_error, split=row_error)
 
     @property
     def deferred(self) -> int:

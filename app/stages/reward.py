@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from app.db.batch import GroupCommit
-from app.db.pool import DB_ERRORS, database_error
+from app.db.pool import DB_ERRORS, database_error, row_error
 from app.db.taxonomy import Classification
 from app.errors import DatabaseError
 from app.stages.answer import Answer, AnswerResult
@@ -94,7 +94,7 @@ class RewardStage:
     ) -> None:
         self.timeout_s = timeout_s
         self._pool = pool
-        self._records = GroupCommit(self._record_many, error=database_error)
+        self._records = GroupCommit(self._record_many, error=database_error, split=row_error)
         self._recyclable = recyclable
         self._by_middle = {c.middle: c for c in characters if c.middle is not None}
         defaults = [c for c in characters if c.middle is None]
