@@ -114,3 +114,13 @@ async def test_the_young_generation_shrinks_while_collections_are_slow_and_grows
         collections_of_the_middle_generation(30)
         assert gc.get_threshold()[0] == 20_000  # never past the setting
     assert heap._tuned == []
+
+
+async def test_a_young_setting_below_the_minimum_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    with tuned_heap(700):
+        monkeypatch.setattr(heap, "AUTO_PAUSE_TARGET_S", 10.0)  # quick: may grow, never past 700
+        garbage: list[list[int]] = []
+        before = gc.get_stats()[1]["collections"]
+        while gc.get_stats()[1]["collections"] < before + 2:
+            garbage.append([])
+        assert gc.get_threshold()[0] == 700

@@ -111,3 +111,27 @@ async def test_a_model_slower_than_the_read_timeout_is_waited_for_once_replies_s
         assert hung.terminal.data["code"] in ("STAGE_TIMEOUT", "UPSTREAM_TIMEOUT"), hung.terminal.data
         assert took < 3.0  # the stretched limits (~0.8 s), not the 10 s stall
         assert (await sim_stats(sim))["stalls_injected"] >= 1
+
+
+async def test_an_elastic_deadline_reached_as_the_task_is_cancelled_lets_the_cancellation_through() -> None:
+    # Upstream._reply turns only a TimeoutError of its expired scope into a read timeout:
+    # cancelled from outside in the same step (the stage's limit, the client gone), the
+    # scope has expired too, but the cancellation must go on.
+    start = time.monotonic()
+    tasks: list[asyncio.Task[None]] = []
+
+    def deadline() -> float:
+        if time.monotonic() >= start + 0.02:  # an outside cancellation, as the scope's own lands
+            asyncio.get_running_loop().call_soon(tasks[0].cancel)
+        return start + 0.02
+
+    waiting = ElasticDeadline(deadline, time.monotonic)
+
+    async def body() -> None:
+        async with waiting:
+            await asyncio.sleep(1)
+
+    tasks.append(asyncio.create_task(body()))
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[0]
+    assert waiting.expired()

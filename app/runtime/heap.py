@@ -147,7 +147,8 @@ class _Tuning:
             return
         took = time.thread_time() - self._started_cpu
         scale = min(YOUNG_REGROWTH, AUTO_PAUSE_TARGET_S / max(took, 1e-6))
-        self._young = max(MIN_YOUNG_THRESHOLD, min(self._young_max, self._young * scale))
+        # Never above the setting, nor below the minimum unless the setting is lower.
+        self._young = min(self._young_max, max(MIN_YOUNG_THRESHOLD, self._young * scale))
         gc.set_threshold(int(self._young), 1, NEVER)
 
     def undo(self) -> None:

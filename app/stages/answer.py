@@ -238,7 +238,7 @@ class AnswerStage:
             # next may go: the tokens of the meantime are parsed in one wake-up.
             made.append(
                 await self._upstream.stream(
-                    request, deadline=ctx.deadline, on_text=writer.update, on_restart=writer.restart
+                    request, deadline=ctx.current_deadline, on_text=writer.update, on_restart=writer.restart
                 )
             )
             await writer.update(made[0].text, final=True)

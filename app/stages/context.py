@@ -47,8 +47,13 @@ class ScanContext:
     safety_id: str | None  # what OpenAI's safety_identifier gets (a hash, never the id)
     emit_delta: Callable[[str], Awaitable[None]]  # text a stage streams (`delta` events)
     discard_text: Callable[[], Awaitable[None]]  # ...void from here on (a `discard` event)
-    deadline: float = 0.0  # the current stage's, on the pipeline's clock
+    deadline: float = 0.0  # the current stage's, on the pipeline's clock (it may move later)
     results: dict[type, object] = field(default_factory=dict)  # result type -> the result
+
+    def current_deadline(self) -> float:
+        """The stage's deadline as it is now: what a call reads before each attempt, so a
+        limit stretched meanwhile (app/scans/runner.py) reaches its retries."""
+        return self.deadline
 
     def result(self, kind: type[T]) -> T:
         """An earlier stage's result, by its type (`ctx.result(VisionResult)`)."""

@@ -167,7 +167,7 @@ class VisionStage:
 
         async def classify() -> str:
             request = self.build_request(scan, safety_id=ctx.safety_id)
-            made.append(await self._upstream.complete(request, deadline=ctx.deadline))
+            made.append(await self._upstream.complete(request, deadline=ctx.current_deadline))
             self.parse(made[0].text)  # an unusable reply raises here: never kept, never shared
             return made[0].text
 

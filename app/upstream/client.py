@@ -86,6 +86,9 @@ OVERLOAD_REASONS = frozenset({"429", "5xx", "timeout"})
 # failure, where a refusal, a filter or a token cap is an answer.
 BROKEN_REPLIES = frozenset({"truncated", "bad_body", "bad_chunk", "stream_error"})
 
+# When a call must end by, on the clock: a time, or what gives it (a stage's may move later).
+Deadline = float | Callable[[], float]
+
 # Reads a streamed reply's bytes into the result; returns its usage, if it came.
 ReadStream = Callable[[AsyncIterator[bytes], Pause, ChatResult], Awaitable[Usage | None]]
 
@@ -152,11 +155,16 @@ class Upstream:
             calls = min(calls, budget.effective_tpm / 60 / tokens)
         return calls
 
-    async def complete(self, request: ChatRequest, *, deadline: float) -> ChatResult:
+    async def complete(self, request: ChatRequest, *, deadline: Deadline) -> ChatResult:
         return await self._with_retries(request, deadline, None, None)
 
     async def stream(
-        self, request: ChatRequest, *, deadline: float, on_text: OnText, on_restart: OnRestart | None = None
+        self,
+        request: ChatRequest,
+        *,
+        deadline: Deadline,
+        on_text: OnText,
+        on_restart: OnRestart | None = None,
     ) -> ChatResult:
         """A streamed call; `on_text` gets the text so far after each read of the stream, and
         says how long it can wait for more: the tokens arriving meanwhile wait in the
@@ -171,18 +179,21 @@ class Upstream:
     async def _with_retries(
         self,
         request: ChatRequest,
-        deadline: float,
+        deadline: Deadline,
         read_stream: ReadStream | None,
         on_restart: OnRestart | None,
     ) -> ChatResult:
         self.requests[request.stage] = self.requests.get(request.stage, 0) + 1
+        # A stage's deadline may move later while the call runs (app/limits/timeouts.py):
+        # each attempt, budget wait and retry reads it anew.
+        until = _deadline_of(deadline)
         result = ChatResult()
         failed_on: dict[str, str] = {}  # deployment -> why it failed this call
         failures = 0
         detours = 0  # routes skipped because another replica is probing them
         chosen: Route | None = None
         while True:
-            route = chosen or self._pick(request, failed_on, deadline)
+            route = chosen or self._pick(request, failed_on, until())
             probe = await self._probe_for(route)
             if probe is None and detours < len(self.routes):
                 detours, chosen = detours + 1, None
@@ -190,7 +201,7 @@ class Upstream:
             call = route.shaped(request)
             result.attempts += 1
             try:
-                await self._attempt(route, call, deadline, read_stream, result, probe or 0)
+                await self._attempt(route, call, until(), read_stream, result, probe or 0)
                 result.upstream = route.name
                 return result
             except AttemptFailed as failed:
@@ -204,7 +215,7 @@ class Upstream:
                     failures += 1
                     failed_on[route.name] = failed.reason
                 shown = bool(result.text)
-                chosen = await self._before_next(request, route, failed, failures, failed_on, deadline)
+                chosen = await self._before_next(request, route, failed, failures, failed_on, until())
                 if shown and on_restart is not None:  # it starts again: what was shown is void
                     self._metrics.upstream_restarts.labels(request.stage).inc()
                     await on_restart()
@@ -470,8 +481,9 @@ class Upstream:
         except BaseException as exc:
             if response is not None:
                 response.release()
-            if isinstance(waiting, ElasticDeadline) and waiting.expired():
-                # As aiohttp's own read timeout says it, a timeout like any other.
+            if isinstance(exc, TimeoutError) and isinstance(waiting, ElasticDeadline) and waiting.expired():
+                # As aiohttp's own read timeout says it, a timeout like any other. (Expired
+                # while cancelled from outside too, the scope lets CancelledError through.)
                 raise aiohttp.SocketTimeoutError("Timeout on reading data from socket") from exc
             raise
         if ok:
@@ -565,3 +577,10 @@ class Upstream:
 
     def _count(self, call: ChatCall, status: str) -> None:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
+
+
+def _deadline_of(deadline: Deadline) -> Callable[[], float]:
+    if callable(deadline):
+        return deadline
+    fixed: float = deadline
+    return lambda: fixed
