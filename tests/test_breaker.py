@@ -79,6 +79,18 @@ def test_failures_of_calls_already_out_when_it_opened_neither_extend_nor_double_
     assert b.open_until == pytest.approx(5.1 + 4.0)
 
 
+def test_a_late_failure_while_its_probe_is_out_neither_reopens_it_nor_voids_the_probe() -> None:
+    b = Breaker("a", open_base_s=2.0)
+    for t in (0.0, 0.01, 0.02):
+        b.failed(t, "5xx", sent_at=t - 0.5)
+    b.begin(2.1)  # the probe goes
+    assert b.state == HALF_OPEN
+    b.failed(2.2, "timeout", sent_at=0.01)  # a call sent before it opened ends only now
+    assert b.state == HALF_OPEN
+    b.succeeded(2.3, started=2.1)  # the probe's word stands
+    assert b.state == CLOSED
+
+
 def test_a_failing_window_opens_it_without_a_run() -> None:
     b = Breaker("a")
     t = 0.0

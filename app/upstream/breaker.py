@@ -71,6 +71,7 @@ class Breaker:
         self.listener: BreakerListener | None = None
         self._probes = 0  # probes begun: the current one's id
         self._last_failure_at = -math.inf
+        self._opened_at = -math.inf  # when it last opened: calls sent before say nothing since
         self._open_watchers: set[Callable[[], None]] = set()
 
     def gauge(self) -> int:
@@ -133,19 +134,23 @@ class Breaker:
                 self.listener.closed(self)
         self.state, self.probing, self.opened, self.out, self.reason = CLOSED, False, 0, False, ""
 
-    def failed(self, now: float, reason: str, wait_s: float | None = None) -> None:
-        """A failure that says something about the deployment (not about the request)."""
+    def failed(
+        self, now: float, reason: str, wait_s: float | None = None, *, sent_at: float | None = None
+    ) -> None:
+        """A failure that says something about the deployment (not about the request), of
+        a call sent at `sent_at`."""
         self.verdicts += 1
         self._record(now, ok=False)
-        self._last_failure_at = now
-        if self.state == OPEN:
-            # Already open: this call was sent before it opened (or went anyway, with nowhere
-            # else to go). The probe after the cooldown decides; calls that were already on
-            # their way when it opened neither extend it nor double the next cooldown. A
-            # provider's own wait still holds.
-            if wait_s:
+        late = sent_at is not None and sent_at < self._opened_at and self.state != CLOSED
+        if self.state == OPEN or late:
+            # Already open (or probing): this call was sent before it opened, or went anyway
+            # with nowhere else to go. The probe after the cooldown decides; calls already on
+            # their way when it opened neither extend it nor double the next cooldown, nor
+            # void a probe's success. A provider's own wait still holds.
+            if wait_s and self.state == OPEN:
                 self.open_until = max(self.open_until, now + wait_s)
             return
+        self._last_failure_at = now
         self._failures_in_a_row += 1
         if (
             self.state == HALF_OPEN
@@ -185,6 +190,7 @@ class Breaker:
             )
         self.state, self.probing, self.out, self.reason = OPEN, False, out, reason
         self.open_until = now + seconds
+        self._opened_at = now
         self.opened = max(self.opened, opened)
         self._failures_in_a_row = 0
         self._last_failure_at = now  # calls sent before this replica knew do not vouch for it
@@ -207,6 +213,7 @@ class Breaker:
             log.warning("upstream %s: circuit open for %.1f s (%s)", self.name, seconds, reason)
         self.state, self.probing, self.reason = OPEN, False, reason
         self.open_until = now + seconds
+        self._opened_at = now
         self.opened += 1
         self._failures_in_a_row = 0
         if self.listener is not None:

@@ -355,14 +355,14 @@ class Upstream:
                 self.reservations_open += 1
                 overloaded: bool | None = None  # None: the call said nothing (cancelled)
                 try:
-                    await self._call(route, call, reservation, read_stream, result)
+                    await self._call(route, call, reservation, read_stream, result, sent_at)
                     breaker.succeeded(self._clock.now(), sent_at)
                     overloaded = False
                 except AttemptFailed as failed:
                     overloaded = failed.reason in OVERLOAD_REASONS
                     if breaker.verdicts == verdicts:  # the reply's fault, not told to the breaker yet
                         if failed.reason in BROKEN_REPLIES:
-                            breaker.failed(self._clock.now(), failed.reason)
+                            breaker.failed(self._clock.now(), failed.reason, sent_at=sent_at)
                         else:  # it answered (a refusal, a filter, a cap, a 400): it is up
                             breaker.succeeded(self._clock.now(), sent_at)
                     raise
@@ -423,6 +423,7 @@ class Upstream:
         reservation: Reservation,
         read_stream: ReadStream | None,
         result: ChatResult,
+        sent_at: float,
     ) -> None:
         # What this attempt reads; a failed attempt's text, refusal or finish reason must
         # not pass for the retry's.
@@ -434,7 +435,9 @@ class Upstream:
             watch: StallWatch | None = None
             try:
                 if not 200 <= response.status < 300:  # a 3xx too, when it was not followed
-                    raise self._status_failure(route, call, reservation, response, content, sent_version)
+                    raise self._status_failure(
+                        route, call, reservation, response, content, sent_version, sent_at
+                    )
                 self._observe(route, call, response, "2xx")
                 if read_stream is None:
                     usage = read_completion(content, result)
@@ -452,7 +455,7 @@ class Upstream:
                 # After the end, the connection goes back to the pool.
                 response.release()
         except aiohttp.ClientError as exc:  # its timeouts (connect, pool, read) included
-            raise self._transport_failure(route, call, reservation, exc, result) from exc
+            raise self._transport_failure(route, call, reservation, exc, result, sent_at) from exc
         if usage is not None:
             self._settle(route, call, reservation, usage, result)
         check_finish(call, result)
@@ -505,7 +508,13 @@ class Upstream:
         tokens.labels(call.model, "cached").inc(usage[3])
 
     def _transport_failure(
-        self, route: Route, call: ChatCall, reservation: Reservation, exc: Exception, result: ChatResult
+        self,
+        route: Route,
+        call: ChatCall,
+        reservation: Reservation,
+        exc: Exception,
+        result: ChatResult,
+        sent_at: float,
     ) -> AttemptFailed:
         """Refused or unreachable is a connection failure, a connect or read that took too
         long a timeout; a request that never left gets its reservation back."""
@@ -514,7 +523,7 @@ class Upstream:
         if never_sent and not result.text:
             reservation.settle(None)
         timeout = isinstance(exc, TimeoutError)
-        route.breaker.failed(self._clock.now(), "timeout" if timeout else "connection")
+        route.breaker.failed(self._clock.now(), "timeout" if timeout else "connection", sent_at=sent_at)
         if timeout:
             return AttemptFailed(UpstreamTimeout(), retry=True, reason="timeout")
         return AttemptFailed(UpstreamError(), retry=True, reason="connection")
@@ -527,6 +536,7 @@ class Upstream:
         response: aiohttp.ClientResponse,
         content: bytes,
         sent_version: int,
+        sent_at: float,
     ) -> AttemptFailed:
         status = response.status
         provider = route.provider
@@ -542,12 +552,12 @@ class Upstream:
                 route.breaker.take_out(now, QUOTA_REASON, QUOTA_COOLDOWN_S)
                 return AttemptFailed(UpstreamQuotaExhausted(), retry=True, reason=QUOTA_REASON)
             route.budget.pause(wait_s if wait_s is not None else 1.0)
-            route.breaker.failed(now, "429", wait_s)
+            route.breaker.failed(now, "429", wait_s, sent_at=sent_at)
             return AttemptFailed(UpstreamRateLimited(), retry=True, reason="429", wait_s=wait_s)
         status_class = f"{status // 100}xx"
         self._observe(route, call, response, status_class)
         if status >= 500 or status in (408, 409):
-            route.breaker.failed(now, status_class, wait_s)
+            route.breaker.failed(now, status_class, wait_s, sent_at=sent_at)
             return AttemptFailed(UpstreamError(), retry=True, reason=status_class, wait_s=wait_s)
         message = (info.message or content.decode("utf-8", "replace"))[:MAX_ERROR_BODY_CHARS]
         if status in OUT_STATUSES:
