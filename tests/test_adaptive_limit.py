@@ -142,8 +142,9 @@ def test_limit_spec_reads_auto_caps_and_numbers() -> None:
     assert LimitSpec.parse("X", "0", minimum=0) == LimitSpec(fixed=0)
 
 
-async def test_gate_resizes_without_cutting_holders_off() -> None:
-    gate = StageGate("vision", 2)
+def holders(gate: StageGate, count: int) -> tuple[list[asyncio.Task[None]], list[int], asyncio.Event]:
+    """`count` calls through `gate`, in order: each notes its number once in, then holds its
+    slot until the event is set."""
     order: list[int] = []
     release = asyncio.Event()
 
@@ -152,7 +153,12 @@ async def test_gate_resizes_without_cutting_holders_off() -> None:
             order.append(n)
             await release.wait()
 
-    tasks = [asyncio.create_task(call(n)) for n in range(6)]
+    return [asyncio.create_task(call(n)) for n in range(count)], order, release
+
+
+async def test_gate_resizes_without_cutting_holders_off() -> None:
+    gate = StageGate("vision", 2)
+    tasks, order, release = holders(gate, 6)
     await asyncio.sleep(0)
     assert (gate.in_use, gate.waiting) == (2, 4)
     gate.limit = 4  # a rise lets waiters in at once, first come first
@@ -264,15 +270,7 @@ async def test_a_higher_admission_cap_lets_waiters_in_at_once() -> None:
 
 async def test_waiters_that_give_up_leave_the_count_and_the_order_intact() -> None:
     gate = StageGate("vision", 1)
-    release = asyncio.Event()
-    order: list[int] = []
-
-    async def call(n: int) -> None:
-        async with gate.hold():
-            order.append(n)
-            await release.wait()
-
-    tasks = [asyncio.create_task(call(n)) for n in range(6)]
+    tasks, order, release = holders(gate, 6)
     await asyncio.sleep(0)
     assert (gate.in_use, gate.waiting) == (1, 5)
     for n in (1, 3, 4):  # give up while queued

@@ -8,11 +8,11 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
-from app.limits.timeouts import ElasticDeadline
+from app.limits.timeouts import Deadline, ElasticDeadline, deadline_of
 
 __all__ = ["Clock", "FakeClock", "MonotonicClock"]
 
@@ -28,7 +28,7 @@ class Clock(Protocol):
         """Sleep for `seconds` of this clock's time."""
         ...
 
-    def timeout_at(self, deadline: float | Callable[[], float]) -> AbstractAsyncContextManager[object]:
+    def timeout_at(self, deadline: Deadline) -> AbstractAsyncContextManager[object]:
         """Raise TimeoutError in the block once this clock reaches `deadline`; given as a
         function, the deadline is asked again when reached and may have moved later."""
         ...
@@ -40,7 +40,7 @@ class MonotonicClock:
     def now(self) -> float:
         return time.monotonic()
 
-    def timeout_at(self, deadline: float | Callable[[], float]) -> AbstractAsyncContextManager[object]:
+    def timeout_at(self, deadline: Deadline) -> AbstractAsyncContextManager[object]:
         if callable(deadline):
             return ElasticDeadline(deadline, self.now)
         return asyncio.timeout(max(0.0, deadline - self.now()))
@@ -81,9 +81,9 @@ class FakeClock:
         await fut  # a cancelled sleep cancels fut; advance() skips it
 
     @asynccontextmanager
-    async def timeout_at(self, deadline: float | Callable[[], float]) -> AsyncIterator[object]:
+    async def timeout_at(self, deadline: Deadline) -> AsyncIterator[object]:
         """asyncio's own timeout, fired by a watchdog that sleeps on this clock."""
-        when = deadline if callable(deadline) else lambda: deadline
+        when = deadline_of(deadline)
         async with asyncio.timeout(None) as scope:
 
             async def fire() -> None:

@@ -28,6 +28,9 @@ import math
 from collections.abc import Callable
 from types import TracebackType
 
+# When a wait must end: a time, or what gives it (a deadline that may move later).
+Deadline = float | Callable[[], float]
+
 # A timeout is at least this many times the longest recent duration...
 TAIL = 1.5
 # ...which fades by half every this many seconds: a slow minute is remembered for a few.
@@ -96,3 +99,11 @@ class ElasticDeadline:
         else:
             self._handle = None
             self._scope.reschedule(self._loop.time())
+
+
+def deadline_of(deadline: Deadline) -> Callable[[], float]:
+    """`deadline` as what gives it, asked each time it matters."""
+    if callable(deadline):
+        return deadline
+    fixed: float = deadline
+    return lambda: fixed

@@ -41,7 +41,7 @@ from app.limits.clock import Clock
 from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservation
 from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
-from app.limits.timeouts import ElasticDeadline
+from app.limits.timeouts import Deadline, ElasticDeadline, deadline_of
 from app.runtime.metrics import Metrics
 from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
@@ -85,9 +85,6 @@ OVERLOAD_REASONS = frozenset({"429", "5xx", "timeout"})
 # Replies that broke on the way (a cut stream, a body that is not JSON): the deployment's
 # failure, where a refusal, a filter or a token cap is an answer.
 BROKEN_REPLIES = frozenset({"truncated", "bad_body", "bad_chunk", "stream_error"})
-
-# When a call must end by, on the clock: a time, or what gives it (a stage's may move later).
-Deadline = float | Callable[[], float]
 
 # Reads a streamed reply's bytes into the result; returns its usage, if it came.
 ReadStream = Callable[[AsyncIterator[bytes], Pause, ChatResult], Awaitable[Usage | None]]
@@ -186,7 +183,7 @@ class Upstream:
         self.requests[request.stage] = self.requests.get(request.stage, 0) + 1
         # A stage's deadline may move later while the call runs (app/limits/timeouts.py):
         # each attempt, budget wait and retry reads it anew.
-        until = _deadline_of(deadline)
+        until = deadline_of(deadline)
         result = ChatResult()
         failed_on: dict[str, str] = {}  # deployment -> why it failed this call
         failures = 0
@@ -587,10 +584,3 @@ class Upstream:
 
     def _count(self, call: ChatCall, status: str) -> None:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
-
-
-def _deadline_of(deadline: Deadline) -> Callable[[], float]:
-    if callable(deadline):
-        return deadline
-    fixed: float = deadline
-    return lambda: fixed
