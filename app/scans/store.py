@@ -33,6 +33,7 @@ import orjson
 
 from app.db.batch import GroupCommit
 from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX, database_error, row_error
+from app.db.reads import read
 from app.errors import DatabaseError, DatabaseUnavailable, ProcessLost, retryable_scan_codes
 
 log = logging.getLogger(__name__)
@@ -316,7 +317,7 @@ class ScanStore:
         """The scan `claim`'s key already names, if any (expiring it first if `ttl_s`)."""
         if ttl_s is not None:
             await self._execute(_EXPIRE_KEY, claim.scope, claim.key, ttl_s)
-        rows = await self._fetch(_FIND_KEY, claim.scope, claim.key)
+        rows = await self._read(_FIND_KEY, claim.scope, claim.key)
         return KeyTaken(*rows[0].values()) if rows else None
 
     async def _retry(self, retry_of: uuid.UUID, claim: IdempotencyClaim, args: tuple[Any, ...]) -> None:
@@ -328,7 +329,7 @@ class ScanStore:
             raise DatabaseError() from exc
 
     async def load(self, scan_id: uuid.UUID) -> StoredScan | None:
-        rows = await self._fetch(_LOAD, scan_id)
+        rows = await self._read(_LOAD, scan_id)
         return StoredScan(**dict(rows[0])) if rows else None
 
     async def purge(self, *, older_than_days: float, batch: int) -> int:
@@ -431,6 +432,10 @@ class ScanStore:
                 return status
         except DB_ERRORS as exc:
             raise DatabaseError() from exc
+
+    async def _read(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        """A read, ridden across a database restart (app/db/reads.py)."""
+        return await read(self._pool, lambda conn: conn.fetch(query, *args), timeout_s=self._timeout_s)
 
     async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
         try:
