@@ -24,7 +24,7 @@ from httpx_sse import aconnect_sse
 from app.db.embedded import EmbeddedPostgres
 from app.db.migrations import apply_migrations, bundled_migrations
 from app.db.pool import DB_ERRORS, create_pool, database_error, row_error
-from app.db.reads import broken_connection
+from app.db.restarts import broken_connection
 from app.db.taxonomy import Classification, load_taxonomy
 from app.errors import DatabaseError
 from app.scans.store import ScanStore
@@ -120,7 +120,7 @@ async def controlled_pg() -> AsyncIterator[ControlledPostgres]:
 
 
 RESTARTS = 3
-READ_TIMEOUT_S = 30.0  # DB_TIMEOUT_S of the reads made while the server is down: its start fits
+READ_TIMEOUT_S = 30.0  # DB_TIMEOUT_S of statements made while the server is down: its start fits
 PAPER = Classification("재활용폐기물", "종이", "신문지")
 
 
@@ -223,8 +223,9 @@ async def test_postgres_restarts_under_load_fail_no_scan_a_retry_would_save(
 ) -> None:
     """`pg_ctl restart -m fast` while scans run: pooled connections meet the shutdown
     mid-query (asyncpg's InternalClientError, "connection was closed") and new ones meet
-    "the database system is starting up". No scan may end INTERNAL_ERROR, and none may
-    fail in a read (the rule lookup) that a retry within DB_TIMEOUT_S would carry across."""
+    "the database system is starting up". No scan may end INTERNAL_ERROR, none may fail in
+    a read (the rule lookup) that a retry within DB_TIMEOUT_S carries across; only a write
+    the restart cut once sent (not safe to send twice) may fail or refuse a scan."""
     await sim_configure(sim, time_scale=0.05)
     settings = settings_for(
         controlled_pg.dsn,
@@ -343,11 +344,12 @@ async def test_a_running_row_committed_after_its_insert_timed_out_ends_failed(
         await pool.close()
 
 
-async def test_reads_started_while_postgres_is_down_succeed_once_it_is_back(
+async def test_statements_started_while_postgres_is_down_succeed_once_it_is_back(
     controlled_pg: ControlledPostgres,
 ) -> None:
     """A scan's result and its rule, read while the server is away (refused, then "starting
-    up"), are read on a fresh connection once it is back, within DB_TIMEOUT_S."""
+    up"), and a new scan's row, written then, are done on a fresh connection once it is
+    back, within DB_TIMEOUT_S: the write was never sent, so sending it is safe."""
     pool = await create_pool(controlled_pg.dsn, min_size=1, max_size=2, timeout_s=READ_TIMEOUT_S)
     try:
         async with pool.acquire() as conn:
@@ -355,18 +357,25 @@ async def test_reads_started_while_postgres_is_down_succeed_once_it_is_back(
             taxonomy = await load_taxonomy(conn)
         store = ScanStore(pool, instance_id=uuid.uuid4(), timeout_s=READ_TIMEOUT_S)
         rules = RuleBook(pool, recyclable=taxonomy.recyclable, ttl_s=0.0, timeout_s=READ_TIMEOUT_S)
-        scan_id = uuid.uuid4()
+        scan_id, later_id = uuid.uuid4(), uuid.uuid4()
         await store.create(scan_id, user_id="u", image_source="data_url", image_sha256=None, user_input=None)
         await controlled_pg.stop()
         try:
-            reads = asyncio.gather(store.load(scan_id), rules.find(PAPER))
+            done = asyncio.gather(
+                store.load(scan_id),
+                rules.find(PAPER),
+                store.create(
+                    later_id, user_id="u", image_source="data_url", image_sha256=None, user_input=None
+                ),
+            )
             await asyncio.sleep(0.2)
-            assert not reads.done(), "the reads gave up while the server was away"
+            assert not done.done(), "gave up while the server was away"
         finally:
             await controlled_pg.start()
-        stored, rule = await reads
+        stored, rule, _ = await done
         assert stored is not None and stored.status == "running"
         assert rule.matched_by == "exact"
+        assert (await _rows(controlled_pg))[str(later_id)] == ("running", None)
         await store.close(5.0)
     finally:
         await pool.close()

@@ -26,15 +26,18 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import orjson
 
 from app.db.batch import GroupCommit
 from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX, database_error, row_error
-from app.db.reads import read
+from app.db.restarts import read, write
 from app.errors import DatabaseError, DatabaseUnavailable, ProcessLost, retryable_scan_codes
+
+if TYPE_CHECKING:
+    from app.db.pool import DbConn
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +376,7 @@ class ScanStore:
 
     async def runs_any(self, instance: uuid.UUID) -> bool:
         """Whether `instance` still has a `running` row."""
-        rows = await self._fetch(_RUNS_ANY, instance)
+        rows = await self._read(_RUNS_ANY, instance)
         return bool(rows[0][0])
 
     async def close(self, timeout_s: float) -> None:
@@ -425,21 +428,26 @@ class ScanStore:
         }
         return [scan_id in found for scan_id, _ in rows]
 
+    # Across a database restart (app/db/restarts.py), a read is sent again on a fresh
+    # connection, a write only if it was never sent; `DatabaseError` when it cannot be done.
     async def _execute(self, query: str, *args: Any) -> str:
-        try:
-            async with self._pool.acquire(timeout=self._timeout_s) as conn:
-                status: str = await conn.execute(query, *args, timeout=self._timeout_s)
-                return status
-        except DB_ERRORS as exc:
-            raise DatabaseError() from exc
+        async def statement(conn: DbConn) -> str:
+            status: str = await conn.execute(query, *args, timeout=self._timeout_s)
+            return status
+
+        return await write(self._pool, statement, timeout_s=self._timeout_s)
 
     async def _read(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        """A read, ridden across a database restart (app/db/reads.py)."""
-        return await read(self._pool, lambda conn: conn.fetch(query, *args), timeout_s=self._timeout_s)
+        return await read(
+            self._pool,
+            lambda conn: conn.fetch(query, *args, timeout=self._timeout_s),
+            timeout_s=self._timeout_s,
+        )
 
     async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        try:
-            async with self._pool.acquire(timeout=self._timeout_s) as conn:
-                return await conn.fetch(query, *args, timeout=self._timeout_s)
-        except DB_ERRORS as exc:
-            raise DatabaseError() from exc
+        """A statement that writes and returns rows."""
+        return await write(
+            self._pool,
+            lambda conn: conn.fetch(query, *args, timeout=self._timeout_s),
+            timeout_s=self._timeout_s,
+        )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.db.reads import read
+from app.db.restarts import read
 from app.db.taxonomy import Classification
 from app.limits.clock import Clock, MonotonicClock
 from app.stages.base import StageEnv, StageResult
@@ -291,7 +291,7 @@ class RuleBook:
         return match
 
     async def _lookup(self, c: Classification) -> RuleMatch:
-        """Ridden across a database restart (app/db/reads.py); `DatabaseError` if not."""
+        """Ridden across a database restart (app/db/restarts.py); `DatabaseError` if not."""
         return await read(self._pool, functools.partial(self._query, c), timeout_s=self.timeout_s)
 
     async def _query(self, c: Classification, conn: DbConn) -> RuleMatch:
