@@ -557,6 +557,7 @@ def _shared_user_caps(
     if redis is None:
         return None
     caps = SharedUserCaps(redis, on_error=metrics.user_caps_redis_errors.inc)
+    metrics.user_caps_unreleased.set_function(lambda: float(caps.unreleased))
     caps.start()
     stack.push_async_callback(_bounded_close, "per-user caps", caps.aclose)
     return caps

@@ -357,6 +357,11 @@ class Metrics:
             "Per-user cap checks that fell back to this process's count because Redis failed.",
             registry=r,
         )
+        self.user_caps_unreleased = Gauge(
+            "ecoscan_user_caps_unreleased_slots",
+            "Per-user slots whose removal from Redis failed, removed when Redis answers again.",
+            registry=r,
+        )
         self.breaker_redis_errors = Counter(
             "ecoscan_upstream_breaker_redis_errors_total",
             "Breaker syncs and probe claims that failed because Redis did (each replica's "
