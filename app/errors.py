@@ -9,7 +9,8 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   │   ContentTypeUnsupported, BodyReadTimeout,
     │   │   ClientDisconnected (499: gone before its body was read),
     │   │   InvalidText, ContentEncodingUnsupported
-    │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired
+    │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired,
+    │       GatewaySecretInvalid
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
     │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
     │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
@@ -219,6 +220,14 @@ class TokenExpired(TokenInvalid):
     code = "TOKEN_EXPIRED"
     default_message = "The access token has expired."
     challenge = 'Bearer error="invalid_token", error_description="The access token expired"'
+
+
+class GatewaySecretInvalid(Unauthorized):
+    """AUTH_GATEWAY_SECRET is set and a request names a user (X-User-ID) without the
+    gateway's secret in X-Gateway-Secret: it did not come through the gateway."""
+
+    code = "GATEWAY_SECRET_INVALID"
+    default_message = "X-User-ID is only accepted from the gateway (X-Gateway-Secret missing or wrong)."
 
 
 # --- admission -------------------------------------------------------------------

@@ -251,7 +251,7 @@ def _claim(caller: Caller, key: str, scan_input: ScanInput) -> IdempotencyClaim:
     image = scan_input.image.sha256 if scan_input.image else scan_input.image_url  # of the original bytes
     what = f"{scan_input.source}\n{image}\n{scan_input.user_input or ''}"
     return IdempotencyClaim(
-        caller.rate_key, key, hashlib.sha256(what.encode("utf-8", "surrogatepass")).hexdigest()
+        caller.scope, key, hashlib.sha256(what.encode("utf-8", "surrogatepass")).hexdigest()
     )
 
 
