@@ -14,6 +14,7 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
     │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
     │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
+    │   └── UserRateLimited, UserQuotaExhausted (429: the caller's scans per minute / 24 h)
     └── ScanFailed               after the stream started: an SSE `error` event
         ├── UpstreamError, UpstreamRateLimited, UpstreamUnavailable, UpstreamQuotaExhausted, UpstreamRejected,
         │   UpstreamBadResponse, UpstreamTimeout, UpstreamTokenLimit, UpstreamRefused,
@@ -264,6 +265,22 @@ class UserOverLimit(Overloaded):
     status = 429
     code = "USER_CONCURRENCY_LIMIT"
     default_message = "Too many scans in flight for this user; wait for one to finish."
+
+
+class UserRateLimited(Overloaded):
+    """USER_SCAN_RATE_PER_MIN scans started in the last minute (app/limits/user_quota.py)."""
+
+    status = 429
+    code = "USER_RATE_LIMITED"
+    default_message = "This user started too many scans in the last minute; retry after Retry-After."
+
+
+class UserQuotaExhausted(Overloaded):
+    """USER_DAILY_SCAN_QUOTA scans started in the last 24 hours (app/limits/user_quota.py)."""
+
+    status = 429
+    code = "USER_QUOTA_EXHAUSTED"
+    default_message = "This user's scans for the last 24 hours are used up; retry after Retry-After."
 
 
 class DatabaseUnavailable(Overloaded):

@@ -81,6 +81,10 @@ class Settings:
     cpu_queue_limit: str | int = "auto"
     max_inflight_scans: str | int = "auto"
     max_inflight_per_user: int = 4
+    # Per-user scan rate and quota (app/limits/user_quota.py): scans a caller may start in a
+    # minute and in 24 hours, shared by every replica through REDIS_URL. 0: off.
+    user_scan_rate_per_min: int = 0
+    user_daily_scan_quota: int = 0
     admission_wait_s: float = 0.5
     max_budget_wait_s: float = 10.0
     scan_deadline_s: float = 60.0
@@ -361,6 +365,8 @@ _MAY_BE_ZERO = {
     "answer_cache_ttl_s",
     "disconnect_grace_s",
     "gc_young_threshold",
+    "user_scan_rate_per_min",
+    "user_daily_scan_quota",
 }
 
 
