@@ -39,6 +39,11 @@ async def test_a_user_named_anon_cannot_replay_an_anonymous_callers_scan(
     assert impostor.terminal.event == "done"
     assert "idempotent-replayed" not in impostor.headers
     assert impostor.headers["x-scan-id"] != anonymous.headers["x-scan-id"]
+    # Nor read or cancel it without its token (its owner is nobody's user id).
+    scan_url = f"/api/v1/scan/{anonymous.headers['x-scan-id']}"
+    for method in ("GET", "DELETE"):
+        response = await service.client.request(method, scan_url, headers={"X-User-ID": IMPOSTOR})
+        assert (response.status_code, response.json()["code"]) == (404, "SCAN_NOT_FOUND")
     # The anonymous caller's own retry is still its scan, replayed.
     again = await run_scan(service.client, json=body, headers={"Idempotency-Key": key})
     assert again.headers["idempotent-replayed"] == "true"

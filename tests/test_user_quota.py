@@ -16,7 +16,14 @@ from urllib.parse import urlsplit
 import pytest
 
 from app.errors import Overloaded, UserOverLimit, UserQuotaExhausted, UserRateLimited
-from app.limits.user_quota import QUOTA_WINDOW_S, RATE_WINDOW_S, UserQuota, Window, windows
+from app.limits.user_quota import (
+    QUOTA_WINDOW_S,
+    RATE_WINDOW_S,
+    SWEEP_EVERY,
+    UserQuota,
+    Window,
+    windows,
+)
 from app.runtime.redis_link import RedisLink
 from app.sim.server import RunningSimulator
 from tests.conftest import (
@@ -155,6 +162,20 @@ async def test_redis_away_falls_back_to_this_process_count(
             await quota.reserve("u:steady")
         finally:
             await quota.aclose()
+
+
+async def test_this_process_forgets_callers_with_nothing_in_their_windows() -> None:
+    async with user_quota(windows(3, 10)) as quota:
+        held = [await quota.reserve(f"u:{n}") for n in range(5)]
+        assert quota.callers == 5
+        for reservation in held:
+            reservation.give_back()
+        assert quota.callers == 0
+    # Callers whose scans have all left the window are swept out as others come.
+    async with user_quota((Window("rate", 1, 1e-6, UserRateLimited),)) as quota:
+        for n in range(SWEEP_EVERY):
+            await quota.reserve(f"a:198.51.100.{n}")
+        assert quota.callers < SWEEP_EVERY // 2
 
 
 # --- over HTTP --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from app.errors import Overloaded, UserQuotaExhausted, UserRateLimited
 from app.runtime.redis_link import RedisError, RedisLink
@@ -199,21 +199,25 @@ class UserQuota:
     async def reserve(self, rate_key: str) -> Reservation:
         """A place in each window for one scan, or the refusal (429, Retry-After)."""
         member = f"{self._instance}:{next(self._serial)}"
-        shared = await self._reserve_shared(rate_key, member)
+        outcome = await self._reserve_shared(rate_key, member)
         now = time.monotonic()
-        if not shared:  # no Redis, or Redis failed: this process's count decides
+        if outcome != "reserved":  # no Redis, or Redis failed: this process's count decides
             refusal = self._local.refusal(rate_key, now)
             if refusal is not None:
+                if outcome == "failed":
+                    self._spawn(self._remove_shared(rate_key, member))  # in case it ran all the same
                 self._on_refused(refusal.code)
                 raise refusal
         self._local.add(rate_key, member, now)
-        return Reservation(self, rate_key, member, shared=shared)
+        # After a failed call the script may still have run: a give-back removes it too.
+        return Reservation(self, rate_key, member, shared=outcome != "unasked")
 
-    async def _reserve_shared(self, rate_key: str, member: str) -> bool:
-        """True when Redis reserved; False when it could not be asked (the local count
-        decides); raises the refusal when a window is full across replicas."""
+    async def _reserve_shared(self, rate_key: str, member: str) -> Literal["reserved", "failed", "unasked"]:
+        """`reserved` in Redis; `failed` (Redis did not answer) or `unasked` (no Redis, or
+        skipped after a failure): the local count decides. Raises the refusal when a window
+        is full across replicas."""
         if self._reserve_script is None or (self._failing and time.monotonic() < self._skip_until):
-            return False
+            return "unasked"
         assert self._link is not None
         args: list[str | int | float] = [member]
         for window in self._limits:
@@ -223,8 +227,7 @@ class UserQuota:
                 full, wait_ms = await self._reserve_script(keys=self._keys(rate_key), args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)
-            self._spawn(self._remove_shared(rate_key, member))  # in case it ran all the same
-            return False
+            return "failed"
         except BaseException:  # cancelled: the place may have been taken all the same
             self._spawn(self._remove_shared(rate_key, member))
             raise
@@ -233,7 +236,7 @@ class UserQuota:
             refusal = _refused(self._limits[int(full) - 1], int(wait_ms) / 1000)
             self._on_refused(refusal.code)
             raise refusal
-        return True
+        return "reserved"
 
     def _give_back(self, rate_key: str, member: str, *, shared: bool) -> None:
         self._local.remove(rate_key, member)
