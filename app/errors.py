@@ -9,10 +9,12 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   │   ContentTypeUnsupported, BodyReadTimeout,
     │   │   ClientDisconnected (499: gone before its body was read),
     │   │   InvalidText, ContentEncodingUnsupported
-    │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired
+    │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired,
+    │       GatewaySecretInvalid
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
     │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
     │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
+    │   └── UserRateLimited, UserQuotaExhausted (429: the caller's scans per minute / 24 h)
     └── ScanFailed               after the stream started: an SSE `error` event
         ├── UpstreamError, UpstreamRateLimited, UpstreamUnavailable, UpstreamQuotaExhausted, UpstreamRejected,
         │   UpstreamBadResponse, UpstreamTimeout, UpstreamTokenLimit, UpstreamRefused,
@@ -221,6 +223,14 @@ class TokenExpired(TokenInvalid):
     challenge = 'Bearer error="invalid_token", error_description="The access token expired"'
 
 
+class GatewaySecretInvalid(Unauthorized):
+    """AUTH_GATEWAY_SECRET is set and a request names a user (X-User-ID) without the
+    gateway's secret in X-Gateway-Secret: it did not come through the gateway."""
+
+    code = "GATEWAY_SECRET_INVALID"
+    default_message = "X-User-ID is only accepted from the gateway (X-Gateway-Secret missing or wrong)."
+
+
 # --- admission -------------------------------------------------------------------
 
 
@@ -255,6 +265,22 @@ class UserOverLimit(Overloaded):
     status = 429
     code = "USER_CONCURRENCY_LIMIT"
     default_message = "Too many scans in flight for this user; wait for one to finish."
+
+
+class UserRateLimited(Overloaded):
+    """USER_SCAN_RATE_PER_MIN scans started in the last minute (app/limits/user_quota.py)."""
+
+    status = 429
+    code = "USER_RATE_LIMITED"
+    default_message = "This user started too many scans in the last minute; retry after Retry-After."
+
+
+class UserQuotaExhausted(Overloaded):
+    """USER_DAILY_SCAN_QUOTA scans started in the last 24 hours (app/limits/user_quota.py)."""
+
+    status = 429
+    code = "USER_QUOTA_EXHAUSTED"
+    default_message = "This user's scans for the last 24 hours are used up; retry after Retry-After."
 
 
 class DatabaseUnavailable(Overloaded):

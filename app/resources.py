@@ -48,6 +48,7 @@ from app.limits.sizing import (
     Sizing,
 )
 from app.limits.stage_gate import StageGate
+from app.limits.user_quota import UserQuota, windows
 from app.runtime.box import BoxLimits, box_limits
 from app.runtime.loop_lag import probe_loop_lag
 from app.runtime.metrics import Metrics
@@ -171,6 +172,7 @@ async def lifespan_resources(
             identity=identity,
             metrics=metrics,
             idempotency_ttl_s=settings.idempotency_ttl_s,
+            quota=_user_quota(settings, redis, metrics, stack),
         )
         drain = Drain(pipeline, drain_s=settings.shutdown_drain_s)
         metrics.shutting_down.set_function(lambda: float(drain.draining))
@@ -561,6 +563,23 @@ def _shared_user_caps(
     caps.start()
     stack.push_async_callback(_bounded_close, "per-user caps", caps.aclose)
     return caps
+
+
+def _user_quota(
+    settings: Settings, redis: RedisLink | None, metrics: Metrics, stack: AsyncExitStack
+) -> UserQuota | None:
+    """USER_SCAN_RATE_PER_MIN / USER_DAILY_SCAN_QUOTA, shared through Redis when there is one."""
+    limits = windows(settings.user_scan_rate_per_min, settings.user_daily_scan_quota)
+    if not limits:
+        return None
+    quota = UserQuota(
+        limits,
+        link=redis,
+        on_error=metrics.user_quota_redis_errors.inc,
+        on_refused=lambda code: metrics.admission_rejected.labels(code).inc(),
+    )
+    stack.push_async_callback(_bounded_close, "per-user rate and quota", quota.aclose)
+    return quota
 
 
 def _admission(

@@ -21,10 +21,13 @@ from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
 AUTH_MODES = ("gateway", "jwt")
 # RFC 7518 §3.2: an HS256 key at least as long as its hash output.
 MIN_SECRET_BYTES = 32
+# The gateway's shared secret travels in a header on every request: long enough not to be
+# guessed, visible ASCII so that every proxy passes it unchanged.
+MIN_GATEWAY_SECRET_CHARS = 16
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 # Settings that hold secrets may instead be read from a file: `<NAME>_FILE` names it (a
 # compose or Kubernetes secret), so the value never sits in the process's environment.
-FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret")
+FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret", "auth_gateway_secret")
 
 
 class SettingsError(ValueError):
@@ -78,6 +81,10 @@ class Settings:
     cpu_queue_limit: str | int = "auto"
     max_inflight_scans: str | int = "auto"
     max_inflight_per_user: int = 4
+    # Per-user scan rate and quota (app/limits/user_quota.py): scans a caller may start in a
+    # minute and in 24 hours, shared by every replica through REDIS_URL. 0: off.
+    user_scan_rate_per_min: int = 0
+    user_daily_scan_quota: int = 0
     admission_wait_s: float = 0.5
     max_budget_wait_s: float = 10.0
     scan_deadline_s: float = 60.0
@@ -137,6 +144,8 @@ class Settings:
     auth_jwks_ttl_s: float = 300.0
     auth_jwks_refetch_s: float = 30.0
     auth_jwks_timeout_s: float = 5.0
+    # AUTH_MODE=gateway: X-User-ID is believed only with this secret in X-Gateway-Secret.
+    auth_gateway_secret: str | None = field(default=None, repr=False)
 
     # --- the built-in simulator (used when OPENAI_API_KEY is unset) ------------------
     # The SIM_* variables as given, one per field of app/sim/config.py's SimConfig; read
@@ -197,6 +206,7 @@ class Settings:
             "AUTH_JWKS_URL": self.auth_jwks_url,
         }
         given = [name for name, value in sources.items() if value]
+        self._check_gateway_secret()
         if self.auth_mode == "gateway":
             claims = {
                 "AUTH_JWT_ISSUER": self.auth_jwt_issuer,
@@ -217,6 +227,23 @@ class Settings:
             raise SettingsError(f"AUTH_JWT_SECRET must be at least {MIN_SECRET_BYTES} bytes long")
         if self.auth_jwks_url:
             self._check_jwks_url(self.auth_jwks_url)
+
+    def _check_gateway_secret(self) -> None:
+        secret = self.auth_gateway_secret
+        if secret is None:
+            return
+        if self.auth_mode != "gateway":
+            raise SettingsError(
+                f"AUTH_GATEWAY_SECRET only applies with AUTH_MODE=gateway (AUTH_MODE is {self.auth_mode})"
+            )
+        if len(secret) < MIN_GATEWAY_SECRET_CHARS:
+            raise SettingsError(
+                f"AUTH_GATEWAY_SECRET must be at least {MIN_GATEWAY_SECRET_CHARS} characters long"
+            )
+        if not all("!" <= c <= "~" for c in secret):
+            raise SettingsError(
+                "AUTH_GATEWAY_SECRET must be visible ASCII without spaces (it is sent as a header)"
+            )
 
     @staticmethod
     def _check_jwks_url(url: str) -> None:
@@ -338,6 +365,8 @@ _MAY_BE_ZERO = {
     "answer_cache_ttl_s",
     "disconnect_grace_s",
     "gc_young_threshold",
+    "user_scan_rate_per_min",
+    "user_daily_scan_quota",
 }
 
 

@@ -362,6 +362,11 @@ class Metrics:
             "Per-user slots whose removal from Redis failed, removed when Redis answers again.",
             registry=r,
         )
+        self.user_quota_redis_errors = Counter(
+            "ecoscan_user_quota_redis_errors_total",
+            "Per-user rate and quota reservations counted by this process alone because Redis failed.",
+            registry=r,
+        )
         self.breaker_redis_errors = Counter(
             "ecoscan_upstream_breaker_redis_errors_total",
             "Breaker syncs and probe claims that failed because Redis did (each replica's "

@@ -12,6 +12,7 @@ from app.errors import (
     ClientDisconnected,
     DatabaseUnavailable,
     EcoscanError,
+    GatewaySecretInvalid,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -63,12 +64,14 @@ def scan_refusals() -> list[type[EcoscanError]]:
 
 # What the identity layer (app/intake/identity.py) refuses with, wherever it is asked who calls:
 # a malformed X-User-ID (gateway mode), no identity where one is required, a bad or
-# expired bearer token (jwt mode), and the JWKS keys unavailable (AUTH_JWKS_URL).
+# expired bearer token (jwt mode), the JWKS keys unavailable (AUTH_JWKS_URL), and an
+# X-User-ID without the gateway's secret (AUTH_GATEWAY_SECRET).
 IDENTITY_REFUSALS: list[type[EcoscanError]] = [
     InvalidRequest,
     Unauthorized,
     TokenInvalid,
     TokenExpired,
+    GatewaySecretInvalid,
     ServerBusy,
 ]
 
