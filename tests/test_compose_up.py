@@ -15,6 +15,13 @@
    unbroken, the row `completed` under the new owner's instance. The killed replica is
    restarted by its restart policy; the balancer and Prometheus follow it to its new
    address.
+4. The kit's edge: the replicas believe bearer tokens (AUTH_MODE=jwt), so a client's
+   X-User-ID claims nobody; /readyz and /metrics are not routed; an anonymous scan's
+   `?token=` is read through the balancer and never written to its access log.
+5. A replica stopped for good (`docker kill`: Docker treats it as a manual stop and does
+   not restart it) leaves DNS, and Prometheus' EcoscanReplicasMissing turns pending.
+6. With no replica left, the balancer answers a scan with the API's JSON error and a
+   Retry-After, not nginx's HTML.
 
 Takeover (like the sweep) waits for the dead instance to hold no PostgreSQL session, so
 it could come between the kill and the resume: the test holds it off by keeping one
@@ -46,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jwt
 import pytest
 
 from .conftest import SCAN_URL, Event, data_url, make_jpeg
@@ -206,7 +214,16 @@ class Stack:
         ).strip()
 
     def redis(self, *command: str) -> str:
-        return _checked(["docker", "exec", self.container("redis"), "redis-cli", *command])
+        """redis-cli in the Redis container, with the password it reads from its secret."""
+        script = 'REDISCLI_AUTH="$(cat /run/secrets/redis_password)" exec redis-cli "$@"'
+        return _checked(["docker", "exec", self.container("redis"), "sh", "-c", script, "sh", *command])
+
+    def auth(self, user: str) -> dict[str, str]:
+        """A bearer token for `user`, signed with the stack's HS256 secret: the only way
+        a client names itself to the replicas (AUTH_MODE=jwt)."""
+        secret = (self.secrets / "auth_jwt_secret").read_text().strip()
+        token = jwt.encode({"sub": user, "exp": int(time.time()) + 3600}, secret, algorithm="HS256")
+        return {"Authorization": f"Bearer {token}"}
 
     def logs(self, tail: int = 60) -> str:
         result = _run([*self.compose, "logs", "--no-color", f"--tail={tail}"], timeout=60, env=self.env)
@@ -334,7 +351,7 @@ def test_the_stack_comes_up_from_images_built_here(stack: Stack, capsys: pytest.
         assert f"FORWARDED_ALLOW_IPS={stack.env['ECOSCAN_LB_IP']}" in env
     replica = stack.containers("ecoscan")[0]
     mounted = _checked(["docker", "exec", replica, "ls", "/run/secrets"]).split()
-    assert {"database_url", "openai_api_key", "auth_jwt_secret"} <= set(mounted)
+    assert {"database_url", "redis_url", "openai_api_key", "auth_jwt_secret"} <= set(mounted)
     # Every replica has its memory limit (deploy.resources), and the balancer its address.
     for container in stack.containers("ecoscan"):
         assert stack.inspect(container, "{{.HostConfig.Memory}}") == str(1024**3)
@@ -353,7 +370,7 @@ async def test_scans_through_the_balancer_spread_and_prometheus_scrapes_every_re
 ) -> None:
     async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(90, connect=10)) as client:
         outcomes = await asyncio.gather(
-            *(_scan(client, 100 + i, f"compose-user-{i}") for i in range(2 * REPLICAS))
+            *(_scan(client, 100 + i, stack.auth(f"compose-user-{i}")) for i in range(2 * REPLICAS))
         )
     for outcome in outcomes:
         _assert_done(outcome)
@@ -435,11 +452,11 @@ class Reading:
         return [e for e in self.events if e.event in ("done", "error")]
 
 
-async def _scan(client: httpx.AsyncClient, seed: int, user: str) -> Reading:
+async def _scan(client: httpx.AsyncClient, seed: int, headers: dict[str, str]) -> Reading:
     """A whole scan through the balancer (its SSE pings are comment lines, read as such)."""
     body = {"image_url": data_url(make_jpeg(seed)), "user_input": "어떻게 버리나요?"}
     reading = Reading()
-    async with client.stream("POST", SCAN_URL, json=body, headers={"X-User-ID": user}) as response:
+    async with client.stream("POST", SCAN_URL, json=body, headers=headers) as response:
         assert response.status_code == 200, await response.aread()
         reading.scan_id = response.headers["x-scan-id"]
         await _read(response, reading)
@@ -483,8 +500,7 @@ async def _until(reading: Reading, condition: Callable[[], bool], what: str, wit
 async def test_a_scan_whose_replica_is_sigkilled_is_read_on_through_another(
     stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    user = "compose-kill"
-    headers = {"X-User-ID": user}
+    headers = stack.auth("compose-kill")
     body = {"image_url": data_url(make_jpeg(4242)), "user_input": "뚜껑은 어떻게 버리나요?"}
     replicas_before = stack.containers("ecoscan")
     timeline: list[str] = []
@@ -600,7 +616,7 @@ async def test_a_scan_whose_replica_is_sigkilled_is_read_on_through_another(
     await _eventually_targets(stack, replicas)
     note(f"replica back at {stack.address(owner)}; Prometheus scrapes all {REPLICAS}")
     async with httpx.AsyncClient(base_url=stack.url, timeout=90) as client:
-        _assert_done(await _scan(client, 4243, user))
+        _assert_done(await _scan(client, 4243, headers))
     served = [line for line in _balancer_log(stack) if f"/api/v1/scan/{scan_id}" in line]
     with capsys.disabled():
         print("\n[compose] " + "\n[compose] ".join(timeline))
@@ -659,3 +675,140 @@ def _hold_the_sweep_off(stack: Stack, tag: str) -> None:
 def _let_the_sweep_run(stack: Stack, tag: str) -> None:
     """Ends the session that held the sweep and the takeover off."""
     stack.psql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{tag}'")
+
+
+async def test_the_edge_lets_no_client_claim_an_identity_or_read_private_routes(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    owner = stack.auth("compose-owner")
+    async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(90, connect=10)) as client:
+        reading = await _scan(client, 777, owner)
+        _assert_done(reading)
+        scan = f"/api/v1/scan/{reading.scan_id}"
+        # The owner, by token, reads its scan and its list...
+        assert (await client.get(scan, headers=owner)).status_code == 200
+        mine = await client.get("/api/v1/users/me/characters", headers=owner)
+        assert mine.status_code == 200, mine.text
+        # ...a client naming the owner (or anyone) in X-User-ID, with or without a gateway
+        # secret, is an anonymous caller like any other: the same answers whatever it names.
+        claims = [
+            {"X-User-ID": "compose-owner"},
+            {"X-User-ID": "compose-owner", "X-Gateway-Secret": "guess"},
+            {"X-User-ID": "someone-else"},
+            {},
+        ]
+        lists = [await client.get("/api/v1/users/me/characters", headers=claim) for claim in claims]
+        assert {(r.status_code, r.json()["code"]) for r in lists} == {(401, "UNAUTHENTICATED")}, [
+            r.text for r in lists
+        ]
+        reads = [await client.get(scan, headers=claim) for claim in claims]
+        assert {(r.status_code, r.json()["code"]) for r in reads} == {(404, "SCAN_NOT_FOUND")}, [
+            r.text for r in reads
+        ]
+        cancel = await client.delete(scan, headers=claims[0])
+        assert cancel.status_code == 404, cancel.text
+
+        # Probes and metrics are for each replica directly, not for the public port.
+        for private in ("/readyz", "/metrics"):
+            answer = await client.get(private)
+            assert answer.status_code == 404 and answer.json()["code"] == "NOT_FOUND", (private, answer.text)
+
+        # An anonymous scan (allowed: the page works without signing in), read back with
+        # its capability token in the query: the balancer serves it and logs no token.
+        anonymous = await _scan_anonymously(client, 778)
+        assert anonymous.token
+        status = await client.get(scan_of(anonymous), params={"token": anonymous.token})
+        assert status.status_code == 200, status.text
+        escaped = await client.get(f"{scan_of(anonymous)}?%74oken={anonymous.token}")
+        assert escaped.status_code == 200, escaped.text
+        assert (await client.get(scan_of(anonymous))).status_code == 404
+
+    log = "\n".join(_balancer_log(stack))
+    assert anonymous.token not in log
+    logged = [line for line in log.splitlines() if f"GET {scan_of(anonymous)}" in line]
+    assert len(logged) >= 3 and sum("?[redacted]" in line for line in logged) == 2, logged
+    with capsys.disabled():
+        print("\n[compose] balancer: " + "\n[compose] balancer: ".join(logged))
+
+
+@dataclass
+class AnonymousScan:
+    scan_id: str
+    token: str
+
+
+def scan_of(anonymous: AnonymousScan) -> str:
+    return f"/api/v1/scan/{anonymous.scan_id}"
+
+
+async def _scan_anonymously(client: httpx.AsyncClient, seed: int) -> AnonymousScan:
+    body = {"image_url": data_url(make_jpeg(seed)), "user_input": "어떻게 버리나요?"}
+    reading = Reading()
+    async with client.stream("POST", SCAN_URL, json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        token = response.headers["x-scan-token"]
+        await _read(response, reading)
+    _assert_done(reading)
+    return AnonymousScan(response.headers["x-scan-id"], token)
+
+
+async def _alerts(stack: Stack, name: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=stack.prometheus_url, timeout=10) as client:
+        response = await client.get("/api/v1/alerts")
+    response.raise_for_status()
+    return [a for a in response.json()["data"]["alerts"] if a["labels"]["alertname"] == name]
+
+
+async def test_a_replica_stopped_for_good_raises_the_replicas_missing_alert(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`docker kill` is a stop by hand to Docker: the container stays Exited (137), its
+    address leaves DNS, its `up` series ends (it never reports 0). The count against the
+    replicas expected sees it; the alert is pending at the next evaluation (15 s)."""
+    await _eventually_targets(stack, {f"{stack.address(c)}:8000" for c in stack.containers("ecoscan")})
+    await _eventually(
+        lambda: _alerts(stack, "EcoscanReplicasMissing"), lambda a: a == [], "no replica missing", 120
+    )
+    victim = stack.containers("ecoscan")[-1]
+    restarts = int(stack.inspect(victim, "{{.RestartCount}}"))
+    started = time.monotonic()
+    _checked(["docker", "kill", victim])
+    alerts = await _eventually(
+        lambda: _alerts(stack, "EcoscanReplicasMissing"), lambda a: len(a) == 1, "EcoscanReplicasMissing", 120
+    )
+    took = time.monotonic() - started
+    (alert,) = alerts
+    assert alert["state"] in ("pending", "firing"), alert
+    assert alert["annotations"]["runbook_url"] == "docs/runbooks.md#ecoscanreplicasmissing"
+    assert float(alert["value"]) == REPLICAS - 1, alert
+    # ...and nothing restarted it: what docs/deploy.md says of `docker kill`.
+    state = stack.inspect(victim, "{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}").split()
+    assert state == ["exited", "137", str(restarts)], state
+    with capsys.disabled():
+        print(
+            f"\n[compose] replica killed for good: EcoscanReplicasMissing {alert['state']} after {took:.1f} s"
+        )
+
+
+async def test_with_no_replica_left_the_balancer_answers_in_the_apis_json(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last test: it stops every replica. nginx still holds their addresses (its
+    entrypoint keeps the last set it resolved), so it tries them and fails: its own 502 or
+    504, which must be the API's JSON with Retry-After."""
+    replicas = stack.containers("ecoscan")
+    _checked(["docker", "kill", *[c for c in replicas if stack.inspect(c, "{{.State.Running}}") == "true"]])
+    body = {"image_url": data_url(make_jpeg(9)), "user_input": "?"}
+    async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(60, connect=10)) as client:
+        answers = [
+            await client.post(SCAN_URL, json=body, headers=stack.auth("compose-late")),
+            await client.get("/api/v1/scan/categories"),
+        ]
+    for answer in answers:
+        assert answer.status_code in (502, 504), answer.text
+        assert answer.headers["content-type"].startswith("application/json"), answer.headers
+        code = {502: "SERVICE_UNAVAILABLE", 504: "GATEWAY_TIMEOUT"}[answer.status_code]
+        assert answer.json() == {"detail": answer.json()["detail"], "code": code}, answer.text
+        assert int(answer.headers["retry-after"]) >= 1
+    with capsys.disabled():
+        print(f"\n[compose] no replica: {[(a.status_code, a.json()['code']) for a in answers]}")
