@@ -18,9 +18,12 @@
 4. The kit's edge: the replicas believe bearer tokens (AUTH_MODE=jwt), so a client's
    X-User-ID claims nobody; /readyz and /metrics are not routed; an anonymous scan's
    `?token=` is read through the balancer and never written to its access log.
-5. A replica stopped for good (`docker kill`: Docker treats it as a manual stop and does
+5. A POST reaches a second replica only when it never reached the first (a connection
+   refused), never after it was sent (a connection cut before the answer): two decoys
+   under the service's DNS name stand in for the broken replicas.
+6. A replica stopped for good (`docker kill`: Docker treats it as a manual stop and does
    not restart it) leaves DNS, and Prometheus' EcoscanReplicasMissing turns pending.
-6. With no replica left, the balancer answers a scan with the API's JSON error and a
+7. With no replica left, the balancer answers a scan with the API's JSON error and a
    Retry-After, not nginx's HTML.
 
 Takeover (like the sweep) waits for the dead instance to hold no PostgreSQL session, so
@@ -729,6 +732,112 @@ async def test_the_edge_lets_no_client_claim_an_identity_or_read_private_routes(
     assert len(logged) >= 3 and sum("?[redacted]" in line for line in logged) == 2, logged
     with capsys.disabled():
         print("\n[compose] balancer: " + "\n[compose] balancer: ".join(logged))
+
+
+# Two stand-ins for a replica, joined to the stack's network under the service's name, so
+# Docker's DNS lists them beside the replicas and the balancer sends them requests: one
+# with nothing listening (a connection refused: the request never reached a replica), one
+# that reads the request and closes without answering (it did).
+DECOYS = {
+    "refuses": "import time; time.sleep(600)",
+    "drops": (
+        "import socket\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('', 8000)); s.listen(64)\n"
+        "while True:\n"
+        "    c, _ = s.accept(); c.recv(65536); c.close()\n"
+    ),
+}
+RETRY_PROBES = 12
+
+
+@dataclass
+class Probe:
+    post: httpx.Response
+    get: httpx.Response
+    post_tried: list[str]  # the upstream addresses nginx tried, in order (its log)
+    get_tried: list[str]
+    post_line: str
+
+
+async def _probe_beside(stack: Stack, kind: str) -> tuple[str, list[Probe]]:
+    """With the decoy `kind` among the replicas: RETRY_PROBES POSTs and GETs in a row (nginx
+    goes round its upstreams when none is busy), each as the client got it and as nginx
+    logged it. The decoy's address, and the probes."""
+    network = f"{PROJECT}_default"
+    command = ["docker", "run", "--detach", "--rm", "--network", network, "--network-alias", "ecoscan"]
+    label = ["--label", f"ecoscan-compose-test-decoy={kind}"]
+    decoy = _checked([*command, *label, stack.base_image, "python3", "-c", DECOYS[kind]]).strip()
+    try:
+        address = await asyncio.to_thread(stack.address, decoy)
+        await asyncio.to_thread(_balancer_lists, stack, {address})
+        answers = []
+        async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(30, connect=10)) as client:
+            for n in range(RETRY_PROBES):
+                # Refused at once by a replica (422, a number for a text): the retry rules
+                # are the same for any POST, and no scan is started.
+                post = await client.post(f"{SCAN_URL}?probe={kind}{n}", json={"user_input": 1})
+                get = await client.get(f"/api/v1/scan/categories?probe={kind}{n}")
+                answers.append((post, get))
+        logged = {
+            (m[1], m[2]): (line, [a.strip().rsplit(":", 1)[0] for a in m[3].split(",")])
+            for line in _balancer_log(stack)
+            if (m := re.search(rf'"(POST|GET) \S+\?probe={kind}(\d+) .*upstream=(.*) upstream_status=', line))
+        }
+    finally:
+        _run(["docker", "rm", "--force", decoy], timeout=60)
+    await asyncio.to_thread(_balancer_lists, stack, set())
+    probes = [
+        Probe(post, get, logged["POST", str(n)][1], logged["GET", str(n)][1], logged["POST", str(n)][0])
+        for n, (post, get) in enumerate(answers)
+    ]
+    return address, probes
+
+
+async def test_a_post_goes_to_a_second_replica_only_if_it_never_reached_the_first(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """nginx passes a POST on after a refused connection, never after its bytes went to an
+    upstream (that one may have started the scan): the client gets the balancer's JSON 502
+    instead. A GET is passed on in both cases."""
+    examples = []
+    for kind in DECOYS:
+        decoy, probes = await _probe_beside(stack, kind)
+        replicas_answer = {
+            (p.post.status_code, p.post.json()["code"]) for p in probes if p.post_tried[0] != decoy
+        }
+        assert replicas_answer == {(422, "INVALID_REQUEST")}, replicas_answer
+        hit = [p for p in probes if p.post_tried[0] == decoy]
+        assert hit, f"no POST went to the decoy that {kind}: {[p.post_line for p in probes]}"
+        for probe in hit:
+            if kind == "refuses":  # never reached it: passed on, and a replica answered
+                assert len(probe.post_tried) == 2 and probe.post_tried[1] != decoy, probe.post_line
+                assert (probe.post.status_code, probe.post.json()["code"]) == (422, "INVALID_REQUEST")
+            else:  # sent, then cut: not sent again; the balancer's JSON 502
+                assert probe.post_tried == [decoy], probe.post_line
+                assert probe.post.status_code == 502, probe.post.text
+                assert probe.post.json()["code"] == "SERVICE_UNAVAILABLE"
+                assert int(probe.post.headers["retry-after"]) >= 1
+        for probe in probes:  # a GET is passed on either way
+            assert probe.get.status_code == 200 and probe.get_tried[-1] != decoy, probe.get_tried
+        assert any(p.get_tried[0] == decoy for p in probes), [p.get_tried for p in probes]
+        examples.append(f"decoy that {kind}: {hit[0].post_line}")
+    with capsys.disabled():
+        print("\n[compose] " + "\n[compose] ".join(examples))
+
+
+def _balancer_lists(stack: Stack, decoys: set[str], timeout: float = 60.0) -> None:
+    """Until the balancer's last upstream list holds exactly these decoys' addresses."""
+    deadline = time.monotonic() + timeout
+    listed: set[str] = set()
+    while time.monotonic() < deadline:
+        upstreams = [line for line in _balancer_log(stack) if line.startswith("ecoscan-lb: upstream ")]
+        listed = set(upstreams[-1].split(":", 2)[2].replace("(reloaded)", "").split())
+        replicas = {stack.address(c) for c in stack.containers("ecoscan")} - {""}
+        if listed == replicas | decoys:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the balancer lists {sorted(listed)}, not the replicas and {sorted(decoys)}")
 
 
 @dataclass
