@@ -476,6 +476,9 @@ def test_replicas_believe_bearer_tokens_not_headers(compose: dict[str, Any], sec
 
 def test_the_network_and_the_balancers_address(compose: dict[str, Any], secrets_dir: Path) -> None:
     services = compose["services"]
+    # Published on this machine only unless asked: plain HTTP carries bearer tokens.
+    (published,) = services["lb"]["ports"]
+    assert published == "127.0.0.1:8080:80", published
     env = replica_environment(compose, secrets_dir)
     # Only the balancer's X-Forwarded-For is believed, and its address is fixed: in the
     # network's subnet, outside the range other containers' addresses come from.
