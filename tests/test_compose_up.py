@@ -343,6 +343,12 @@ def test_the_stack_comes_up_from_images_built_here(stack: Stack, capsys: pytest.
             env = json.loads(stack.inspect(container, "{{json .Config.Env}}"))
             leaked = [v for v in env if v.split("=", 1)[1] in secret_values]
             assert not leaked, f"{service}: a secret in its environment"
+            command = stack.inspect(container, "{{json .Config.Cmd}} {{json .Args}}")
+            assert not [v for v in secret_values if v in command], f"{service}: a secret in its command"
+    # Redis wants the password (the replicas' redis_url has it) and keeps protected mode.
+    anonymous = _run(["docker", "exec", stack.container("redis"), "redis-cli", "ping"])
+    assert "NOAUTH" in anonymous.stdout + anonymous.stderr, anonymous
+    assert stack.redis("CONFIG", "GET", "protected-mode").split() == ["protected-mode", "yes"]
     # Every setting of the env file reaches every replica (the test's file: a copy of
     # deploy/ecoscan.env plus TEST_SETTINGS), and the stack's wiring on top.
     lines = Path(stack.env["ECOSCAN_ENV_FILE"]).read_text().splitlines()
