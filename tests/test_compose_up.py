@@ -777,14 +777,18 @@ async def _probe_beside(stack: Stack, kind: str) -> tuple[str, list[Probe]]:
     try:
         address = await asyncio.to_thread(stack.address, decoy)
         await asyncio.to_thread(_balancer_lists, stack, {address})
-        answers = []
         async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(30, connect=10)) as client:
-            for n in range(RETRY_PROBES):
-                # Refused at once by a replica (422, a number for a text): the retry rules
-                # are the same for any POST, and no scan is started.
-                post = await client.post(f"{SCAN_URL}?probe={kind}{n}", json={"user_input": 1})
-                get = await client.get(f"/api/v1/scan/categories?probe={kind}{n}")
-                answers.append((post, get))
+            # POSTs, then GETs, each in a row: with none open, nginx takes its upstreams
+            # in turn, so each kind meets the decoy (alternating them could keep the
+            # decoy's turn for one kind). A POST refused at once by a replica (422, a
+            # number for a text): the retry rules are the same for any POST, and no scan
+            # is started.
+            posts = [
+                await client.post(f"{SCAN_URL}?probe={kind}{n}", json={"user_input": 1})
+                for n in range(RETRY_PROBES)
+            ]
+            gets = [await client.get(f"/api/v1/scan/categories?probe={kind}{n}") for n in range(RETRY_PROBES)]
+        answers = list(zip(posts, gets, strict=True))
         logged = {
             (m[1], m[2]): (line, [a.strip().rsplit(":", 1)[0] for a in m[3].split(",")])
             for line in _balancer_log(stack)
