@@ -14,8 +14,13 @@ offline with the real tools where they exist and with schemas always.
   not among them, by hand), then what keeps production safe (no demo object in the base,
   the demo fenced in its namespace), the drain, keep-alive and connection arithmetic,
   probes, TLS, who may connect, and the references between them.
-- the dashboard: every PromQL expression parses (promql-parser) and names only metrics a
-  running service exports (scraped from /metrics after a scan) with labels they carry.
+- the edge (nginx, the Ingress): identity headers dropped, AUTH_MODE=jwt in every kit,
+  /readyz and /metrics unrouted, nginx's own errors in the API's JSON, POSTs never
+  re-sent, scan tokens out of the access log; Redis with a password, secrets as files,
+  the pods' egress.
+- the dashboard and the alerts: every PromQL expression parses (promql-parser) and names
+  only metrics a running service exports (scraped from /metrics after a scan) with labels
+  they carry; promtool unit-tests every alert firing and silent, each links its runbook.
 """
 
 from __future__ import annotations
