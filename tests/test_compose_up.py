@@ -721,6 +721,13 @@ async def test_the_edge_lets_no_client_claim_an_identity_or_read_private_routes(
         for private in ("/readyz", "/metrics"):
             answer = await client.get(private)
             assert answer.status_code == 404 and answer.json()["code"] == "NOT_FOUND", (private, answer.text)
+        # What nginx refuses itself, it refuses in the API's words.
+        long_line = await client.get("/api/v1/scan/categories", headers={"X-Long": "a" * 17 * 1024})
+        assert long_line.status_code == 431, long_line.text
+        assert long_line.json()["code"] == "REQUEST_HEADERS_TOO_LARGE"
+        malformed = await _raw_request(stack, b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
+        assert malformed.startswith(b"HTTP/1.1 400 "), malformed
+        assert json.loads(malformed.split(b"\r\n\r\n", 1)[1])["code"] == "BAD_HTTP_REQUEST", malformed
 
         # An anonymous scan (allowed: the page works without signing in), read back with
         # its capability token in the query: the balancer serves it and logs no token.
@@ -848,6 +855,18 @@ def _balancer_lists(stack: Stack, decoys: set[str], timeout: float = 60.0) -> No
             return
         time.sleep(0.5)
     raise AssertionError(f"the balancer lists {sorted(listed)}, not the replicas and {sorted(decoys)}")
+
+
+async def _raw_request(stack: Stack, request: bytes) -> bytes:
+    """Bytes as sent (no client library would send them), the answer until nginx closes."""
+    host, port = stack.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        async with asyncio.timeout(30):
+            return await reader.read()
+    finally:
+        writer.close()
 
 
 @dataclass
