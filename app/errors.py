@@ -22,7 +22,9 @@ and carries its HTTP status (used before a stream starts), its stable `code`
         ├── ServerShutdown, ProcessLost
         └── DatabaseError, InternalError
 
-Messages are written for the client; internal details go to the log only.
+Messages are written for the client; internal details go to the log only. Two more
+codes come from the deploy kits' balancer, never from the service: SERVICE_UNAVAILABLE
+(502/503) and GATEWAY_TIMEOUT (504), when no replica answers (docs/api.md).
 """
 
 from __future__ import annotations
