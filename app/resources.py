@@ -51,7 +51,8 @@ from app.limits.stage_gate import StageGate
 from app.runtime.box import BoxLimits, box_limits
 from app.runtime.loop_lag import probe_loop_lag
 from app.runtime.metrics import Metrics
-from app.runtime.redis_link import RedisLink, redact_url
+from app.runtime.redaction import redact_url
+from app.runtime.redis_link import RedisLink
 from app.scans.drain import Drain
 from app.scans.housekeeping import purge_old_scans, sweep_lost_scans
 from app.scans.liveness import Liveness, leased_instances
@@ -603,7 +604,7 @@ def _input_limits(settings: Settings) -> InputLimits:
 
 async def _database(settings: Settings, stack: AsyncExitStack) -> str:
     if settings.database_url is not None:
-        log.info("database: DATABASE_URL (%s)", _redact(settings.database_url))
+        log.info("database: DATABASE_URL (%s)", redact_url(settings.database_url))
         return settings.database_url
     embedded = EmbeddedPostgres(settings.embedded_pg_dir)
     dsn = await embedded.start()
@@ -618,7 +619,7 @@ async def _database(settings: Settings, stack: AsyncExitStack) -> str:
 async def _upstream_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple[str, str, Any]:
     if not settings.uses_simulator:
         url = settings.openai_base_url or "https://api.openai.com/v1"
-        log.info("upstream: OpenAI-compatible API at %s", url)
+        log.info("upstream: OpenAI-compatible API at %s", redact_url(url))
         return url, settings.openai_api_key or "", None
     # The simulator is a development stand-in: imported only when it runs.
     from app.sim.config import SimConfig
@@ -706,10 +707,3 @@ async def _bounded_close(
 
 def _reader(obj: object, attribute: str) -> Callable[[], float]:
     return lambda: float(getattr(obj, attribute))
-
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from app.limits.sizing import LimitSpec
+from app.runtime.redaction import redact_url
 from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
 from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
 
@@ -38,7 +39,7 @@ def _default_workers() -> int:
 @dataclass(frozen=True)
 class Settings:
     # --- resources -------------------------------------------------------------
-    database_url: str | None = None
+    database_url: str | None = field(default=None, repr=False)
     embedded_pg_dir: str = ".ecoscan/pgdata"
     db_pool_min: int = 2
     db_pool_max: str | int = "auto"  # `auto`: app/db/pool.py's pool_size
@@ -388,11 +389,5 @@ def _boolean(name: str, raw: str) -> bool:
     raise SettingsError(f"{env_name(name)} must be true/false, 1/0, yes/no or on/off, got {raw!r}")
 
 
-def display_url(url: str) -> str:
-    """The URL without its query or credentials, for messages and logs."""
-    parts = urlsplit(url)
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        port = ":?"
-    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"
+# The one URL redactor (app/runtime/redaction.py), under the name app/intake/identity.py uses.
+display_url = redact_url
