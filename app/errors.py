@@ -12,7 +12,8 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
     │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
-    │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
+    │   │   DatabaseUnavailable, UploadsAtCapacity, ClientUploadsAtCapacity,
+    │   │   ServerShuttingDown
     └── ScanFailed               after the stream started: an SSE `error` event
         ├── UpstreamError, UpstreamRateLimited, UpstreamUnavailable, UpstreamQuotaExhausted, UpstreamRejected,
         │   UpstreamBadResponse, UpstreamTimeout, UpstreamTokenLimit, UpstreamRefused,
@@ -266,6 +267,16 @@ class UploadsAtCapacity(Overloaded):
     code = "UPLOADS_AT_CAPACITY"
     close_connection = True
     default_message = "Too many uploads are being received at once; retry shortly."
+
+
+class ClientUploadsAtCapacity(Overloaded):
+    """One client's bodies being received already hold `BODY_BUFFER_MAX_BYTES_PER_CLIENT`:
+    its stalled uploads cannot take everyone's room."""
+
+    status = 429
+    code = "CLIENT_UPLOADS_AT_CAPACITY"
+    close_connection = True
+    default_message = "Too many of your uploads are being received at once; finish one, then retry."
 
 
 class ServerShuttingDown(Overloaded):

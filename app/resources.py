@@ -583,10 +583,11 @@ def _admission(
 
 def _body_reader(settings: Settings, limits: InputLimits, metrics: Metrics) -> BodyReader:
     reader = BodyReader(
-        BodyBudget(settings.body_buffer_max_bytes),
+        BodyBudget(settings.body_buffer_max_bytes, per_client=settings.body_buffer_max_bytes_per_client),
         limit=limits.max_body_bytes,
         timeout_s=settings.body_read_timeout_s,
         min_bytes_per_s=settings.body_min_bytes_per_s,
+        gap_s=settings.body_gap_timeout_s,
     )
     metrics.body_bytes_buffered.set_function(_reader(reader.budget, "in_use"))
     return reader

@@ -106,6 +106,11 @@ class Settings:
     body_read_timeout_s: float = 15.0
     body_min_bytes_per_s: float = 8192.0
     body_buffer_max_bytes: int = 256 * 1024 * 1024
+    # Uploads nobody can hold (app/intake/body_reader.py): a body with no new bytes for
+    # this long is cut off, and one client's bodies hold at most this much at once (and
+    # never more than BODY_BUFFER_MAX_BYTES, whichever is smaller).
+    body_gap_timeout_s: float = 10.0
+    body_buffer_max_bytes_per_client: int = 32 * 1024 * 1024
 
     # --- streaming and caching ----------------------------------------------------
     sse_ping_s: float = 15.0
@@ -170,6 +175,7 @@ class Settings:
             raise SettingsError(
                 "BODY_BUFFER_MAX_BYTES must hold at least one largest body (4/3 x IMAGE_MAX_BYTES + 64 KiB)"
             )
+        self._check_upload_caps()
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
         self._check_models()
@@ -227,6 +233,14 @@ class Settings:
         if parts.scheme == "http" and parts.hostname not in _LOOPBACK_HOSTS:
             # Whoever can alter the key set can sign tokens for any user.
             raise SettingsError("AUTH_JWKS_URL must use https:// (plain http only to a loopback address)")
+
+    def _check_upload_caps(self) -> None:
+        largest = self.image_max_bytes * 4 // 3 + 64 * 1024
+        if self.body_buffer_max_bytes_per_client < largest:
+            raise SettingsError(
+                "BODY_BUFFER_MAX_BYTES_PER_CLIENT must hold at least one largest body "
+                "(4/3 x IMAGE_MAX_BYTES + 64 KiB)"
+            )
 
     def _check_redis(self) -> None:
         if self.liveness_renew_s >= self.liveness_ttl_s:

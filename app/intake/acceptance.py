@@ -106,7 +106,7 @@ class ScanAcceptance:
         caller = await self._identity.caller(request)
         key = _idempotency_key(request)
         # Uploads cost time and memory, not admission: a slow upload holds no slot.
-        body = await self._bodies.read(request)
+        body = await self._bodies.read(request, client=caller.rate_key)
         try:
             scan_input, prepare_s = await self._prepare(body, content_type)
         finally:
