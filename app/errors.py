@@ -11,7 +11,7 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   │   InvalidText, ContentEncodingUnsupported
     │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
-    │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
+    │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, FollowerLimit, CpuLaneSaturated,
     │   │   DatabaseUnavailable, UploadsAtCapacity, ClientUploadsAtCapacity,
     │   │   ServerShuttingDown
     └── ScanFailed               after the stream started: an SSE `error` event
@@ -256,6 +256,15 @@ class UserOverLimit(Overloaded):
     status = 429
     code = "USER_CONCURRENCY_LIMIT"
     default_message = "Too many scans in flight for this user; wait for one to finish."
+
+
+class FollowerLimit(Overloaded):
+    """Following scans of other replicas: this user, or this scan, holds its share of the
+    process's Redis follower connections (app/scans/followers.py)."""
+
+    status = 429
+    code = "FOLLOWER_LIMIT"
+    default_message = "Too many streams of scans running elsewhere are open; close one, then retry."
 
 
 class DatabaseUnavailable(Overloaded):

@@ -54,9 +54,10 @@ from app.runtime.metrics import Metrics
 from app.runtime.redaction import redact_url
 from app.runtime.redis_link import RedisLink
 from app.scans.drain import Drain
+from app.scans.followers import FollowerCaps
 from app.scans.housekeeping import purge_old_scans, sweep_lost_scans
 from app.scans.liveness import Liveness, leased_instances
-from app.scans.mirror import ScanStreams
+from app.scans.mirror import FOLLOW_MAX_CONNECTIONS, ScanStreams
 from app.scans.pipeline import ScanPipeline
 from app.scans.runner import StageRunner
 from app.scans.store import ScanStore
@@ -501,7 +502,12 @@ def _scan_streams(
     if redis is None:
         return None
     deadline_s, block_s = settings.scan_deadline_s, settings.sse_ping_s
-    streams = ScanStreams(redis, metrics, scan_deadline_s=deadline_s, block_s=block_s)
+    caps = FollowerCaps(
+        per_user=settings.followers_max_per_user,
+        per_scan=settings.followers_max_per_scan,
+        total=FOLLOW_MAX_CONNECTIONS,
+    )
+    streams = ScanStreams(redis, metrics, scan_deadline_s=deadline_s, block_s=block_s, caps=caps)
     stack.push_async_callback(_bounded_close, "scan event streams", streams.close)
     return streams
 

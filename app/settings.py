@@ -111,6 +111,10 @@ class Settings:
     # never more than BODY_BUFFER_MAX_BYTES, whichever is smaller).
     body_gap_timeout_s: float = 10.0
     body_buffer_max_bytes_per_client: int = 32 * 1024 * 1024
+    # Following scans of other replicas (app/scans/followers.py): each follow holds one of
+    # the process's Redis follower connections while the scan runs.
+    followers_max_per_user: int = 8
+    followers_max_per_scan: int = 4
 
     # --- streaming and caching ----------------------------------------------------
     sse_ping_s: float = 15.0

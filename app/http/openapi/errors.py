@@ -12,6 +12,7 @@ from app.errors import (
     ClientDisconnected,
     DatabaseUnavailable,
     EcoscanError,
+    FollowerLimit,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -38,7 +39,15 @@ from app.errors import (
 # one with its `Idempotency-Key` can only meet `SCAN_RUNNING_ELSEWHERE`). Derived, so
 # that a refusal added to the tree is documented with it.
 _NOT_SCAN_REFUSALS: frozenset[type[EcoscanError]] = frozenset(
-    {ClientDisconnected, NotFound, ScanNotFound, ScanConflict, ScanAlreadyFinished, ScanEventsGone}
+    {
+        ClientDisconnected,
+        NotFound,
+        ScanNotFound,
+        ScanConflict,
+        ScanAlreadyFinished,
+        ScanEventsGone,
+        FollowerLimit,
+    }
 )
 
 
@@ -81,6 +90,7 @@ SCAN_EVENTS_ERRORS: list[type[EcoscanError]] = [
     ScanNotFound,
     ScanRunningElsewhere,
     ScanEventsGone,
+    FollowerLimit,
     *IDENTITY_REFUSALS,
     *_READ_FAILURES,
 ]
