@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from app.runtime.redaction import redact_url
+from app.runtime.redaction import AccessLogScrubber, redact_target, redact_url
 from app.runtime.redis_link import RedisLink
 from app.settings import Settings
 from app.sim.server import RunningSimulator
@@ -86,3 +86,23 @@ async def test_the_start_up_log_shows_the_database_url_without_its_password(
     assert lines, "no DATABASE_URL line logged"
     for line in lines:
         assert "p%40s" not in line and "qsecret" not in line and "***@" in line, line
+
+
+def test_the_access_log_line_masks_scan_tokens_and_keeps_the_rest() -> None:
+    assert (
+        redact_target("/api/v1/scan/x/events?token=abc&after=3") == "/api/v1/scan/x/events?token=***&after=3"
+    )
+    assert redact_target("/api/v1/scan/x") == "/api/v1/scan/x"
+    record = logging.LogRecord(
+        "uvicorn.access",
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:5000", "GET", "/api/v1/scan/x/events?after=0&token=abc", "1.1", 404),
+        None,
+    )
+    assert AccessLogScrubber().filter(record)
+    assert (
+        record.getMessage() == '127.0.0.1:5000 - "GET /api/v1/scan/x/events?after=0&token=*** HTTP/1.1" 404'
+    )
