@@ -36,9 +36,7 @@ def redact_url(url: str) -> str:
         parts = urlsplit(f"{scheme}://{rest}")
     except ValueError:  # an unbalanced IPv6 bracket
         return f"{scheme}://{MASK}"
-    query = urlencode(
-        [(name, MASK if _sensitive(name) else value) for name, value in _query(parts.query)], safe="*"
-    )
+    query = _masked(parts.query)
     netloc = f"{MASK}@{parts.netloc}" if had_user_info else parts.netloc
     # Joined by hand: urlunsplit drops the `//` of an empty host (`unix:///tmp/redis.sock`).
     return f"{scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
@@ -49,8 +47,7 @@ def redact_target(target: str) -> str:
     path, sep, query = target.partition("?")
     if not sep:
         return target
-    masked = [(name, MASK if _sensitive(name) else value) for name, value in _query(query)]
-    return f"{path}?{urlencode(masked, safe='*/:')}"
+    return f"{path}?{_masked(query)}"
 
 
 class AccessLogScrubber(logging.Filter):
@@ -69,6 +66,11 @@ def scrub_access_log() -> None:
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, AccessLogScrubber) for f in access.filters):
         access.addFilter(AccessLogScrubber())
+
+
+def _masked(query: str) -> str:
+    pairs = [(name, MASK if _sensitive(name) else value) for name, value in _query(query)]
+    return urlencode(pairs, safe="*/:")
 
 
 def _query(query: str) -> list[tuple[str, str]]:
