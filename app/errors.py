@@ -12,8 +12,9 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired,
     │       GatewaySecretInvalid
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
-    │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
-    │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
+    │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, FollowerLimit, CpuLaneSaturated,
+    │   │   DatabaseUnavailable, UploadsAtCapacity, ClientUploadsAtCapacity,
+    │   │   ServerShuttingDown
     │   └── UserRateLimited, UserQuotaExhausted (429: the caller's scans per minute / 24 h)
     └── ScanFailed               after the stream started: an SSE `error` event
         ├── UpstreamError, UpstreamRateLimited, UpstreamUnavailable, UpstreamQuotaExhausted, UpstreamRejected,
@@ -283,6 +284,13 @@ class UserQuotaExhausted(Overloaded):
     status = 429
     code = "USER_QUOTA_EXHAUSTED"
     default_message = "This user's scans for the last 24 hours are used up; retry after Retry-After."
+class FollowerLimit(Overloaded):
+    """Following scans of other replicas: this user, or this scan, holds its share of the
+    process's Redis follower connections (app/scans/followers.py)."""
+
+    status = 429
+    code = "FOLLOWER_LIMIT"
+    default_message = "Too many streams of scans running elsewhere are open; close one, then retry."
 
 
 class DatabaseUnavailable(Overloaded):
@@ -294,6 +302,16 @@ class UploadsAtCapacity(Overloaded):
     code = "UPLOADS_AT_CAPACITY"
     close_connection = True
     default_message = "Too many uploads are being received at once; retry shortly."
+
+
+class ClientUploadsAtCapacity(Overloaded):
+    """One client's bodies being received already hold `BODY_BUFFER_MAX_BYTES_PER_CLIENT`:
+    its stalled uploads cannot take everyone's room."""
+
+    status = 429
+    code = "CLIENT_UPLOADS_AT_CAPACITY"
+    close_connection = True
+    default_message = "Too many of your uploads are being received at once; finish one, then retry."
 
 
 class ServerShuttingDown(Overloaded):

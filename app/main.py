@@ -21,6 +21,7 @@ from app.http.routes import router
 from app.resources import lifespan_resources
 from app.runtime.heap import timed_collections, tuned_heap
 from app.runtime.metrics import Metrics
+from app.runtime.redaction import scrub_access_log
 from app.scans.drain import SignalRouter
 from app.settings import Settings
 from app.stages.base import StageClass
@@ -72,6 +73,8 @@ def _configure_logging(level: str) -> None:
     logging.getLogger("app").setLevel(level.upper())
     # httpx logs every request at INFO (the JWKS fetches of AUTH_MODE=jwt).
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # Scan tokens (`?token=`) are capabilities: uvicorn's access line shows them masked.
+    scrub_access_log()
 
 
 app = create_app()

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from app.limits.sizing import LimitSpec
+from app.runtime.redaction import redact_url
 from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
 from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
 
@@ -41,7 +42,7 @@ def _default_workers() -> int:
 @dataclass(frozen=True)
 class Settings:
     # --- resources -------------------------------------------------------------
-    database_url: str | None = None
+    database_url: str | None = field(default=None, repr=False)
     embedded_pg_dir: str = ".ecoscan/pgdata"
     db_pool_min: int = 2
     db_pool_max: str | int = "auto"  # `auto`: app/db/pool.py's pool_size
@@ -112,6 +113,15 @@ class Settings:
     body_read_timeout_s: float = 15.0
     body_min_bytes_per_s: float = 8192.0
     body_buffer_max_bytes: int = 256 * 1024 * 1024
+    # Uploads nobody can hold (app/intake/body_reader.py): a body with no new bytes for
+    # this long is cut off, and one client's bodies hold at most this much at once (and
+    # never more than BODY_BUFFER_MAX_BYTES, whichever is smaller).
+    body_gap_timeout_s: float = 10.0
+    body_buffer_max_bytes_per_client: int = 32 * 1024 * 1024
+    # Following scans of other replicas (app/scans/followers.py): each follow holds one of
+    # the process's Redis follower connections while the scan runs.
+    followers_max_per_user: int = 8
+    followers_max_per_scan: int = 4
 
     # --- streaming and caching ----------------------------------------------------
     sse_ping_s: float = 15.0
@@ -178,6 +188,7 @@ class Settings:
             raise SettingsError(
                 "BODY_BUFFER_MAX_BYTES must hold at least one largest body (4/3 x IMAGE_MAX_BYTES + 64 KiB)"
             )
+        self._check_upload_caps()
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
         self._check_models()
@@ -253,6 +264,14 @@ class Settings:
         if parts.scheme == "http" and parts.hostname not in _LOOPBACK_HOSTS:
             # Whoever can alter the key set can sign tokens for any user.
             raise SettingsError("AUTH_JWKS_URL must use https:// (plain http only to a loopback address)")
+
+    def _check_upload_caps(self) -> None:
+        largest = self.image_max_bytes * 4 // 3 + 64 * 1024
+        if self.body_buffer_max_bytes_per_client < largest:
+            raise SettingsError(
+                "BODY_BUFFER_MAX_BYTES_PER_CLIENT must hold at least one largest body "
+                "(4/3 x IMAGE_MAX_BYTES + 64 KiB)"
+            )
 
     def _check_redis(self) -> None:
         if self.liveness_renew_s >= self.liveness_ttl_s:
@@ -417,11 +436,5 @@ def _boolean(name: str, raw: str) -> bool:
     raise SettingsError(f"{env_name(name)} must be true/false, 1/0, yes/no or on/off, got {raw!r}")
 
 
-def display_url(url: str) -> str:
-    """The URL without its query or credentials, for messages and logs."""
-    parts = urlsplit(url)
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        port = ":?"
-    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"
+# The one URL redactor (app/runtime/redaction.py), under the name app/intake/identity.py uses.
+display_url = redact_url

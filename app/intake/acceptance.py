@@ -132,7 +132,7 @@ class ScanAcceptance:
         reservation: Reservation | None,
     ) -> NewScan | RepeatedScan:
         # Uploads cost time and memory, not admission: a slow upload holds no slot.
-        body = await self._bodies.read(request)
+        body = await self._bodies.read(request, client=caller.rate_key)
         try:
             scan_input, prepare_s = await self._prepare(body, content_type)
         finally:

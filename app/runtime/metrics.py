@@ -139,7 +139,8 @@ class Metrics:
         self.stream_follows = Counter(
             "ecoscan_scan_stream_follows_total",
             "Event requests for scans running on another replica, by outcome: served (from "
-            "Redis), refused (409: no usable stream, or Redis failed), cut (Redis failed mid-stream).",
+            "Redis), refused (409: no usable stream, or Redis failed), cut (Redis failed mid-stream), "
+            "limited (429/503: the user's, the scan's or the process's followers at their cap).",
             ["outcome"],
             registry=r,
         )

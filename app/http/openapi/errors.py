@@ -12,6 +12,7 @@ from app.errors import (
     ClientDisconnected,
     DatabaseUnavailable,
     EcoscanError,
+    FollowerLimit,
     GatewaySecretInvalid,
     InternalError,
     InvalidRequest,
@@ -39,7 +40,15 @@ from app.errors import (
 # one with its `Idempotency-Key` can only meet `SCAN_RUNNING_ELSEWHERE`). Derived, so
 # that a refusal added to the tree is documented with it.
 _NOT_SCAN_REFUSALS: frozenset[type[EcoscanError]] = frozenset(
-    {ClientDisconnected, NotFound, ScanNotFound, ScanConflict, ScanAlreadyFinished, ScanEventsGone}
+    {
+        ClientDisconnected,
+        NotFound,
+        ScanNotFound,
+        ScanConflict,
+        ScanAlreadyFinished,
+        ScanEventsGone,
+        FollowerLimit,
+    }
 )
 
 
@@ -84,6 +93,7 @@ SCAN_EVENTS_ERRORS: list[type[EcoscanError]] = [
     ScanNotFound,
     ScanRunningElsewhere,
     ScanEventsGone,
+    FollowerLimit,
     *IDENTITY_REFUSALS,
     *_READ_FAILURES,
 ]
