@@ -476,6 +476,8 @@ def test_replicas_believe_bearer_tokens_not_headers(compose: dict[str, Any], sec
     # Anonymous callers are allowed (the page), so their key, the client's address, must be
     # the balancer's X-Forwarded-For and nobody else's.
     assert settings.auth_allow_anonymous is True
+    # Rotating identities must not buy more scans: a rate and a daily quota per caller.
+    assert settings.user_scan_rate_per_min > 0 and settings.user_daily_scan_quota > 0
     assert env["FORWARDED_ALLOW_IPS"] == compose["services"]["lb"]["networks"]["default"]["ipv4_address"]
     assert "X-Forwarded-For $remote_addr" in nginx_directives()["proxy_set_header"]
 
@@ -1464,6 +1466,7 @@ def test_k8s_no_path_from_the_ingress_to_gateway_trust(kustomization: Path) -> N
         settings = k8s_settings(found, container)
         assert settings.auth_mode == "jwt" and settings.auth_jwt_secret
         assert settings.auth_allow_anonymous is True
+        assert settings.user_scan_rate_per_min > 0 and settings.user_daily_scan_quota > 0
     # The Ingress routes no probe, and retries a POST only when no pod got it.
     ingress = the("Ingress", found)
     retries = ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-next-upstream"]
