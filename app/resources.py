@@ -35,6 +35,8 @@ from app.limits.adaptive import AdaptiveLimit
 from app.limits.admission import Admission
 from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
+from app.limits.loop_capacity import LoopCapacity
+from app.limits.loop_pacer import LoopPacer
 from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
 from app.limits.route_limits import RouteLimit, RouteSizing
@@ -175,6 +177,7 @@ async def lifespan_resources(
             metrics=metrics,
             idempotency_ttl_s=settings.idempotency_ttl_s,
             quota=_user_quota(settings, redis, metrics, stack),
+            pacer=_loop_pacer(settings, admission, metrics, stack),
         )
         drain = Drain(pipeline, drain_s=settings.shutdown_drain_s)
         metrics.shutting_down.set_function(lambda: float(drain.draining))
@@ -605,6 +608,26 @@ def _admission(
         calls_per_scan=calls_per_scan,
         user_caps=user_caps,
     )
+
+
+def _loop_pacer(
+    settings: Settings, admission: Admission, metrics: Metrics, stack: AsyncExitStack
+) -> LoopPacer | None:
+    """New scans paced at the rate the event loop takes (None: LOOP_UTILISATION_TARGET=0)."""
+    if not settings.loop_utilisation_target:
+        return None
+    capacity = LoopCapacity(
+        target=settings.loop_utilisation_target,
+        admitted=lambda: admission.admitted,
+        on_change=lambda limit, reason: metrics.limit_changes.labels(limit, reason).inc(),
+    )
+    _background(stack, capacity.run(), "loop-capacity")
+    metrics.limit.labels("loop_rate").set_function(lambda: float(capacity.limit))
+    metrics.loop_utilisation.set_function(_reader(capacity, "utilisation"))
+    metrics.loop_cpu_share.set_function(_reader(capacity, "share"))
+    metrics.loop_cpu_per_scan.set_function(_reader(capacity, "cpu_per_scan_s"))
+    metrics.loop_saturated.set_function(lambda: float(capacity.saturated))
+    return LoopPacer(capacity)
 
 
 def _body_reader(settings: Settings, limits: InputLimits, metrics: Metrics) -> BodyReader:
