@@ -35,6 +35,7 @@ from app.limits.adaptive import AdaptiveLimit
 from app.limits.admission import Admission
 from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
+from app.limits.late_timeouts import LateTimeouts
 from app.limits.loop_capacity import LoopCapacity
 from app.limits.loop_pacer import LoopPacer
 from app.limits.rate_budget import RateBudget
@@ -52,7 +53,7 @@ from app.limits.sizing import (
 from app.limits.stage_gate import StageGate
 from app.limits.user_quota import UserQuota, windows
 from app.runtime.box import BoxLimits, box_limits
-from app.runtime.loop_lag import probe_loop_lag
+from app.runtime.loop_lag import LoopLateness, probe_loop_lag
 from app.runtime.metrics import Metrics
 from app.runtime.redaction import redact_url
 from app.runtime.redis_link import RedisLink
@@ -129,7 +130,8 @@ async def lifespan_resources(
         pool = await _pool(settings, dsn, stack)
         taxonomy = await _catalogue(pool)
         redis = await _redis_link(settings, stack)
-        upstream, base_url, simulator = await _upstream(settings, metrics, clock, redis, stack, box)
+        lateness = LoopLateness()  # the loop-lag probe's, for timeouts that fire late
+        upstream, base_url, simulator = await _upstream(settings, metrics, clock, redis, stack, box, lateness)
         env = StageEnv(settings, pool, dsn, taxonomy, upstream, metrics, clock, stack)
         built = [await stage.start(env) for stage in stages]  # in order: each may load what it needs
         runner = StageRunner(built, metrics=metrics, clock=clock)
@@ -161,7 +163,7 @@ async def lifespan_resources(
         # the client and the simulator are still open.
         stack.push_async_callback(pipeline.cancel_all)
         _liveness(settings, redis, store, pipeline, streams, admission, metrics, stack)
-        _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
+        _background(stack, probe_loop_lag(metrics, lateness=lateness), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         _bind_limit_gauges(metrics, sizing, upstream.gates)
         input_limits = _input_limits(settings)
@@ -298,6 +300,7 @@ async def _upstream(
     redis: RedisLink | None,
     stack: AsyncExitStack,
     box: BoxLimits,
+    lateness: LoopLateness,
 ) -> tuple[Upstream, str, Any]:
     """Every model call's path: a route per deployment and stage (app/upstream/routes.py),
     one budget per limit group and model, one breaker and connection pool per deployment,
@@ -362,6 +365,9 @@ async def _upstream(
         metrics=metrics,
         clock=clock,
         shared_breakers=shared,
+        late_timeouts=LateTimeouts(
+            lateness, lambda stage, cause: metrics.upstream_timeouts.labels(stage, cause).inc()
+        ),
     )
     return upstream, deployments[0].base_url, simulator
 

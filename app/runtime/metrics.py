@@ -462,7 +462,8 @@ class Metrics:
 
     def _declare_loop_capacity_metrics(self) -> None:
         """The event loop's capacity and the arrivals it shed (app/limits/loop_capacity.py,
-        app/limits/loop_pacer.py)."""
+        app/limits/loop_pacer.py), and the upstream timeouts our own lateness caused
+        (app/limits/late_timeouts.py)."""
         r = self.registry
         self.loop_utilisation = Gauge(
             "ecoscan_loop_utilisation",
@@ -495,6 +496,13 @@ class Metrics:
             "ecoscan_loop_shed_cpu_seconds_total",
             "The event loop's CPU time spent accepting the scans it then shed (the HTTP parse and the"
             " 503's write not included).",
+            registry=r,
+        )
+        self.upstream_timeouts = Counter(
+            "ecoscan_upstream_timeouts_total",
+            "Connect and first-byte timeouts of upstream calls, by cause: upstream (counted against"
+            " the deployment) or loop_late (our loop was late; retried at once, not counted).",
+            ["stage", "cause"],
             registry=r,
         )
 
