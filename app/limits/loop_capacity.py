@@ -113,7 +113,10 @@ class LoopCapacity:
         self._clock = self._clock or LoopClock()  # made here: on the loop's thread
         while True:
             cpu, wait = self._clock.read()
-            self.sample(time.monotonic(), cpu, wait, self._admitted())
+            try:
+                self.sample(time.monotonic(), cpu, wait, self._admitted())
+            except Exception:  # a bug here must not freeze the rate where it stands
+                log.exception("sampling the event loop's capacity failed; again in %.1f s", self._interval_s)
             await asyncio.sleep(self._interval_s)
 
     def sample(self, now: float, cpu: float, wait: float, admitted: int) -> None:
