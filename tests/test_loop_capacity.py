@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
-from app.limits.loop_capacity import MIN_RATE, PRIOR_CPU_PER_SCAN_S, LoopCapacity
-from app.limits.loop_pacer import QUEUE_S, SATURATED, WAVE, LoopBusy, LoopPacer
+from app.limits.loop_capacity import MIN_RATE, PRIOR_CPU_PER_SCAN_S, SAMPLE_INTERVAL_S, LoopCapacity
+from app.limits.loop_pacer import BURST_S, QUEUE_S, SATURATED, WAVE, LoopBusy, LoopPacer
 from app.sim.server import RunningSimulator
 
 from .conftest import Service, data_url, make_jpeg, run_scan, running_service, settings_for
@@ -22,65 +23,82 @@ from .conftest import Service, data_url, make_jpeg, run_scan, running_service, s
 FOLLOW_WITHIN_S = 30.0
 
 
-def capacity(target: float = 0.8) -> LoopCapacity:
-    cap = LoopCapacity(target=target, admitted=lambda: 0)
-    cap.sample(0.0, 0.0, 0.0, 0)
-    return cap
+class Loop:
+    """Readings of a loop thread, fed to a `LoopCapacity` every `SAMPLE_INTERVAL_S`."""
+
+    def __init__(self, target: float = 0.8) -> None:
+        self.capacity = LoopCapacity(target=target, admitted=lambda: 0)
+        self.now = self.cpu = self.wait = 0.0
+        self.admitted = 0
+        self.capacity.sample(0.0, 0.0, 0.0, 0)
+
+    def run(
+        self, seconds: float, *, busy: float, waiting: float = 0.0, scans_per_s: int = 0, refused: float = 0.0
+    ) -> LoopCapacity:
+        """`seconds` of a loop running `busy` and waiting for a core `waiting` of the time,
+        admitting `scans_per_s`, spending `refused` of each second's CPU on refusals."""
+        for _ in range(round(seconds / SAMPLE_INTERVAL_S)):
+            self.now += SAMPLE_INTERVAL_S
+            self.cpu += busy * SAMPLE_INTERVAL_S
+            self.wait += waiting * SAMPLE_INTERVAL_S
+            self.admitted += round(scans_per_s * SAMPLE_INTERVAL_S)
+            self.capacity.refused(refused * SAMPLE_INTERVAL_S)
+            self.capacity.sample(self.now, self.cpu, self.wait, self.admitted)
+        return self.capacity
 
 
 def test_utilisation_counts_the_wait_for_a_core_and_share_is_what_the_loop_got() -> None:
-    cap = capacity()
-    cap.sample(1.0, 0.3, 0.5, 0)  # ran 0.3 s, waited 0.5 s for a core, in 1 s
-    assert cap.utilisation == pytest.approx(0.8)
-    assert cap.share == pytest.approx(0.375)
+    cap = Loop().run(20, busy=0.3, waiting=0.6)  # 30 % CPU, yet busy 90 % of the time
+    assert cap.utilisation == pytest.approx(0.9, rel=0.01)
+    assert cap.share == pytest.approx(1 / 3)
     assert cap.saturated
+
+
+def test_a_short_stall_is_not_a_saturation() -> None:
+    loop = Loop()
+    loop.run(10, busy=0.3)
+    assert not loop.run(0.5, busy=1.0).saturated  # a GC pause, say
 
 
 def test_saturation_has_hysteresis() -> None:
-    cap = capacity(0.8)
-    cap.sample(1.0, 0.85, 0.0, 0)
-    assert cap.saturated
-    cap.sample(2.0, 0.85 + 0.75, 0.0, 0)  # under the target, not 0.1 under it
-    assert cap.saturated
-    cap.sample(3.0, 1.6 + 0.65, 0.0, 0)
-    assert not cap.saturated
-    cap.sample(4.0, 2.25 + 0.75, 0.0, 0)  # back up, not to the target: still not saturated
-    assert not cap.saturated
+    loop = Loop(0.8)
+    assert loop.run(20, busy=0.85).saturated
+    assert loop.run(20, busy=0.75).saturated  # under the target, not 0.1 under it
+    assert not loop.run(20, busy=0.65).saturated
+    assert not loop.run(20, busy=0.75).saturated  # back up, not to the target
 
 
-def test_the_rate_keeps_the_loop_at_its_target_from_the_cpu_per_scan() -> None:
-    cap = capacity(0.8)
-    assert cap.rate == pytest.approx(0.8 / PRIOR_CPU_PER_SCAN_S)
-    cpu = 0.0
-    for second in range(1, 30):  # 100 scans a second at 4 ms each: the loop 40 % busy
-        cpu += 0.4
-        cap.sample(float(second), cpu, 0.0, second * 100)
+def test_the_rate_adds_what_the_headroom_takes_at_the_measured_cpu_per_scan() -> None:
+    loop = Loop(0.8)
+    assert loop.capacity.rate == pytest.approx(0.8 / PRIOR_CPU_PER_SCAN_S)
+    cap = loop.run(300, busy=0.4, scans_per_s=100)  # 4 ms a scan: the loop 40 % busy
     assert cap.cpu_per_scan_s == pytest.approx(0.004, rel=0.01)
-    assert cap.rate == pytest.approx(0.8 / 0.004, rel=0.01)  # 200 a second would make it 80 %
-    assert cap.reason == "cpu" and cap.limit in (200, 201)  # shown rounded up
+    # 100 a second now, and 0.4 of a second's CPU left under the target at 4 ms each.
+    assert cap.rate == pytest.approx(100 + 0.4 / 0.004, rel=0.02)
+    assert cap.reason == "cpu"
 
 
 def test_what_refusals_cost_is_not_charged_to_the_scans() -> None:
-    cap = capacity(0.8)
-    cpu = 0.0
-    for second in range(1, 30):
-        cap.refused(0.2)  # half of each second's loop CPU went to refusing
-        cpu += 0.4
-        cap.sample(float(second), cpu, 0.0, second * 100)
+    cap = Loop(0.8).run(300, busy=0.4, scans_per_s=100, refused=0.2)
     assert cap.cpu_per_scan_s == pytest.approx(0.002, rel=0.01)
 
 
-def test_a_saturated_loop_admits_no_faster_than_it_just_did_scaled_down_never_under_the_floor() -> None:
-    cap = capacity(0.8)
-    cap.sample(1.0, 0.95, 0.0, 10)  # 10 scans a second with the loop 95 % busy
+def test_a_saturated_loop_aims_under_its_target_and_slows_admission_gradually() -> None:
+    loop = Loop(0.8)
+    loop.run(300, busy=0.6, scans_per_s=20)  # 30 ms a scan
+    cap = loop.run(10, busy=0.9, scans_per_s=20)  # something else takes the loop as well
     assert cap.saturated and cap.reason == "saturated"
-    assert cap.rate == pytest.approx(10 * 0.8 / 0.95)
-    cap.sample(2.0, 1.9, 0.0, 10)  # none admitted, still busy (something else holds the loop)
-    assert cap.rate == MIN_RATE and cap.reason == "floor"
+    assert cap.rate == pytest.approx(cap.scans_per_s + (0.7 - cap.utilisation) / cap.cpu_per_scan_s)
+    assert 10 < cap.rate < 20  # fewer than lately, not none: the scans admitted still run
+
+
+def test_a_loop_busy_without_scans_admits_at_the_floor() -> None:
+    cap = Loop(0.8).run(20, busy=0.95)
+    assert cap.saturated and cap.rate == MIN_RATE and cap.reason == "floor"
 
 
 async def test_a_wave_starts_at_the_rate_and_what_the_queue_cannot_hold_is_refused_at_once() -> None:
-    cap = capacity()
+    cap = Loop().capacity
     cap.rate = 10.0  # scans a second
     pacer = LoopPacer(cap)
     started: list[float] = []
@@ -99,7 +117,11 @@ async def test_a_wave_starts_at_the_rate_and_what_the_queue_cannot_hold_is_refus
     # One burst's worth at once, then one every 0.1 s for at most QUEUE_S: about 12.
     assert 10 <= len(started) <= 13, len(started)
     assert len(refused) == 40 - len(started)
-    assert all(busy.reason == WAVE and busy.retry_after_s >= 1 for busy in refused)
+    assert all(busy.reason == WAVE for busy in refused)
+    # Told to come back in turns at the rate, after the queue: a ramp again.
+    assert sorted(busy.retry_after_s for busy in refused) == [
+        math.ceil(QUEUE_S + BURST_S + (n + 1) / 10) for n in range(len(refused))
+    ]
     assert max(started) - began >= 0.8 * QUEUE_S  # a ramp, not all at once
     assert pacer.waiting == 0
 

@@ -9,22 +9,23 @@ any stall looks alike); the cause is the CPU the loop spends, which is measured 
 
 Every `SAMPLE_INTERVAL_S`, from the loop thread itself:
 - **utilisation**: the share of wall time the loop thread wanted the CPU, running
-  (its CPU time) or runnable but waiting for a core (Linux's per-thread
-  `schedstat`; elsewhere only `time.thread_time()` is known). The wait matters on a
-  shared box: a loop that gets half a core is saturated at 50 % CPU;
+  (its CPU time) or runnable but waiting for a core (Linux's per-thread `schedstat`;
+  elsewhere only `time.thread_time()` is known), over the last seconds
+  (`UTILISATION_WINDOW_S`). The wait matters on a shared box: a loop that gets half a
+  core is saturated at 50 % CPU;
 - **share**: of the time it wanted the CPU, how much it got (the CPU the process gets);
-- **CPU per scan**: the loop's CPU over the scans admitted meanwhile (a running mean, over
-  samples that admitted at least `MIN_SCANS_PER_SAMPLE`), what refusals cost taken out.
-  In a steady state every admitted scan's whole life is paid for within the window.
+- **CPU per scan**: the loop's CPU a second over the scans admitted a second, both
+  averaged over `COST_WINDOW_S` (longer than a scan lives: a scan's streams cost the
+  loop for its whole life, not when it is admitted), what refusals cost taken out.
 
-The rate new scans may start at is then `target x share / CPU per scan`: what keeps the
-loop at its target. A second estimate checks it: the scans admitted in the last sample,
-scaled by target / utilisation. While the loop is saturated (utilisation at or over the
-target, until it is `HYSTERESIS` under it) the lower of the two holds, so a cost measured
-too low cannot keep the loop over; otherwise the higher, so a cost measured too high
-(fixed work spread over few scans) cannot refuse scans an idle loop could take. Never
-under `MIN_RATE`, so the loop keeps measuring. `LoopPacer` (app/limits/loop_pacer.py)
-admits at that rate.
+The rate new scans may start at is the rate they were admitted at lately (over
+`COST_WINDOW_S`) plus what the headroom takes: (goal - utilisation) x share / CPU per scan,
+the goal being the target, or `HYSTERESIS` under it while the loop is saturated (at or
+over the target, until it is that far under it). Over the goal the headroom is negative
+and the rate falls under the recent one, slowly, as the recent one follows: admissions
+change the loop's load only as the scans they start live, so a controller faster than that
+would cut admission to nothing before its first cut showed (a ratchet that collapsed
+admission in a benchmark). Never under `MIN_RATE`, so the loop keeps measuring.
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ from app.limits.moves import Moves
 log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 0.5
+# Utilisation is averaged over about this long (seconds): a GC pause is not a saturation.
+UTILISATION_WINDOW_S = 2.0
+# The loop's CPU and the scans admitted are averaged over about this long (seconds).
+COST_WINDOW_S = 30.0
 # Saturated from the target up; not saturated again until this far under it.
 HYSTERESIS = 0.1
-# The mean CPU per scan moves only on samples that admitted this many scans, and by this weight.
-MIN_SCANS_PER_SAMPLE = 3
-COST_WEIGHT = 0.3
+# The CPU per scan is measured once the window holds this many admitted scans.
+MIN_SCANS_FOR_COST = 20
 # Before any is measured, a scan is assumed to cost the loop this much CPU (seconds): a
 # scan of two calls and a streamed answer on a 2-core box (docs/benchmarks.md).
 PRIOR_CPU_PER_SCAN_S = 0.003
@@ -94,8 +98,10 @@ class LoopCapacity:
         self.utilisation = 0.0
         self.share = 1.0
         self.cpu_per_scan_s = PRIOR_CPU_PER_SCAN_S
+        self.scans_per_s = 0.0  # admitted, averaged over COST_WINDOW_S
+        self._cpu_per_s = 0.0  # the loop's, refusals' taken out, likewise
         self.saturated = False
-        self.rate = self._cpu_rate()
+        self.rate = max(MIN_RATE, target / PRIOR_CPU_PER_SCAN_S)
         self.reason = "prior"
         self._refusals_cpu_s = 0.0  # what refusals cost the loop since the last sample
         self._last: tuple[float, float, float, int] | None = None
@@ -126,24 +132,23 @@ class LoopCapacity:
             return
         wall, used, waited, scans = now - last[0], cpu - last[1], wait - last[2], admitted - last[3]
         refusals, self._refusals_cpu_s = self._refusals_cpu_s, 0.0
-        self.utilisation = min(1.0, (used + waited) / wall)
+        wanted = min(1.0, (used + waited) / wall)
+        self.utilisation += (1 - math.exp(-wall / UTILISATION_WINDOW_S)) * (wanted - self.utilisation)
         if used + waited > 0:
             self.share = max(0.05, used / (used + waited))
-        if scans >= MIN_SCANS_PER_SAMPLE:
-            per_scan = max(0.0, used - refusals) / scans
-            self.cpu_per_scan_s += COST_WEIGHT * (per_scan - self.cpu_per_scan_s)
+        weight = 1 - math.exp(-wall / COST_WINDOW_S)
+        self.scans_per_s += weight * (scans / wall - self.scans_per_s)
+        self._cpu_per_s += weight * (max(0.0, used - refusals) / wall - self._cpu_per_s)
+        if self.scans_per_s * COST_WINDOW_S >= MIN_SCANS_FOR_COST:
+            self.cpu_per_scan_s = self._cpu_per_s / self.scans_per_s
         if self.utilisation >= self.target:
             self.saturated = True
         elif self.utilisation < self.target - HYSTERESIS:
             self.saturated = False
-        rate, reason = self._cpu_rate(), "cpu"
-        scaled = scans / wall * self.target / max(self.utilisation, 0.05)
-        if scaled < rate if self.saturated else scaled > rate:
-            rate, reason = scaled, "saturated" if self.saturated else "measured"
+        goal = self.target - HYSTERESIS if self.saturated else self.target
+        rate = self.scans_per_s + (goal - self.utilisation) * self.share / self.cpu_per_scan_s
+        reason = "saturated" if self.saturated else "cpu"
         if rate <= MIN_RATE:
             rate, reason = MIN_RATE, "floor"
         self.rate, self.reason = rate, reason
         self._moves.moved("loop_rate", self.limit, reason)
-
-    def _cpu_rate(self) -> float:
-        return max(MIN_RATE, self.target * self.share / max(self.cpu_per_scan_s, 1e-6))

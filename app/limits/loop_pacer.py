@@ -5,8 +5,11 @@ Placed in front of everything a scan costs the loop (reading and parsing its bod
 row, its first events), after the checks that cost nothing (who asks, their rate and
 quota). Arrivals are spaced `1 / rate` apart (a virtual schedule, GCRA: no timer, no
 task); `BURST_S` of the rate may start at once. One that would wait more than `QUEUE_S`
-for its turn is refused at once with SERVER_BUSY and a Retry-After of the time the queue
-ahead of it takes to drain at the rate: the refusal costs a header parse, not an upload.
+for its turn is refused at once with SERVER_BUSY: the refusal costs a header parse, not an
+upload. Its Retry-After is a turn of its own on a second schedule at the same rate, after
+the queue and after the turns given to those refused before it: what the queue drains at,
+so the refused come back as a ramp, not all in the same second (at most
+`MAX_RETRY_AFTER_S`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from app.limits.loop_capacity import LoopCapacity
 QUEUE_S = 1.0
 # This long of the rate may start at once, with no wait.
 BURST_S = 0.1
+# The longest Retry-After the pacer gives (seconds).
+MAX_RETRY_AFTER_S = 60.0
 # Why an arrival was refused: the loop is over its target, or the loop is not (yet) but
 # more arrived at once than the queue holds at the rate.
 SATURATED = "saturated"
@@ -40,6 +45,7 @@ class LoopPacer:
     def __init__(self, capacity: LoopCapacity) -> None:
         self.capacity = capacity
         self._turn = 0.0  # when the next arrival's turn is, at the rate (monotonic seconds)
+        self._retry_turn = 0.0  # when the next refused arrival is told to come back
         self.waiting = 0
 
     async def enter(self) -> None:
@@ -49,8 +55,9 @@ class LoopPacer:
         turn = max(self._turn, now - BURST_S)
         wait = turn - now
         if wait > QUEUE_S:
+            self._retry_turn = min(max(self._retry_turn, turn), now + MAX_RETRY_AFTER_S) + 1.0 / rate
             reason = SATURATED if self.capacity.saturated else WAVE
-            raise LoopBusy(reason, retry_after_s=max(1.0, math.ceil(wait)))
+            raise LoopBusy(reason, retry_after_s=max(1.0, math.ceil(self._retry_turn - now)))
         self._turn = turn + 1.0 / rate
         if wait <= 0:
             return

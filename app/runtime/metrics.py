@@ -313,7 +313,7 @@ class Metrics:
         self.limit_changes = Counter(
             "ecoscan_limit_changes_total",
             "Moves of an automatic limit, by why: grow, steady, little, gradient, backoff, floor, ceiling;"
-            " routes (a gate whose deployments came or went); loop_rate: cpu, measured, saturated, floor.",
+            " routes (a gate whose deployments came or went); loop_rate: cpu, saturated, floor.",
             ["limit", "reason"],
             registry=r,
         )
