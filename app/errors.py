@@ -284,6 +284,8 @@ class UserQuotaExhausted(Overloaded):
     status = 429
     code = "USER_QUOTA_EXHAUSTED"
     default_message = "This user's scans for the last 24 hours are used up; retry after Retry-After."
+
+
 class FollowerLimit(Overloaded):
     """Following scans of other replicas: this user, or this scan, holds its share of the
     process's Redis follower connections (app/scans/followers.py)."""
