@@ -68,6 +68,7 @@ from app.upstream.client import Upstream
 from app.upstream.deployments import Deployment, DeploymentError, with_key
 from app.upstream.endpoint import ChatEndpoint
 from app.upstream.negotiation import Negotiation
+from app.upstream.profiles import DEFAULT_PROFILE, profile_for
 from app.upstream.providers import PROVIDERS
 from app.upstream.routes import Route, Router
 from app.upstream.shared_breaker import SharedBreakers
@@ -327,7 +328,10 @@ async def _upstream(
                 )
                 stack.push_async_callback(_bounded_close, f"connections to {d.name}", endpoint.aclose)
                 endpoints[(d.name, model)] = endpoint
-                negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}")
+                # A provider we know serving a model its profile describes: what it takes is
+                # known; any other (a compatible server, a model we do not know) is found out.
+                known = d.provider != "compatible" and profile_for(model) is not DEFAULT_PROFILE
+                negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}", settled=known)
             shape = settings.call_shape(stage, model=model, token_param=d.token_param)
             routes.append(
                 Route(
@@ -355,6 +359,7 @@ async def _upstream(
         metrics=metrics,
         clock=clock,
         shared_breakers=shared,
+        negotiation_wait_s=settings.negotiation_wait_s,
     )
     return upstream, deployments[0].base_url, simulator
 

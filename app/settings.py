@@ -85,6 +85,11 @@ class Settings:
     retry_base_delay_s: float = 0.25
     retry_max_delay_s: float = 8.0
 
+    # --- upstream health, negotiation in one flight (app/upstream/negotiation.py) ---------
+    # How long a call waits for the one call finding out whether its deployment takes a
+    # parameter it has not answered for yet; then it goes as it is.
+    negotiation_wait_s: float = 2.0
+
     # --- many replicas, one key (app/runtime/redis_link.py, app/limits/shared_budget.py) -------
     # Set: the OpenAI budget, per-user caps and running scans' events are shared by every
     # process using the same Redis and prefix. Unset: everything stays in-process.

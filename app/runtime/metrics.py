@@ -236,6 +236,13 @@ class Metrics:
             ["upstream", "parameter"],
             registry=r,
         )
+        self.upstream_negotiation_waits = Counter(
+            "ecoscan_upstream_negotiation_waits_total",
+            "Calls that waited for another call to find out whether their deployment takes "
+            "their parameters (app/upstream/negotiation.py): answered, or timed_out (went as they were).",
+            ["upstream", "outcome"],
+            registry=r,
+        )
         # Each route's own concurrency limit (app/limits/route_limits.py), by deployment and stage.
         self.upstream_limit = Gauge(
             "ecoscan_upstream_limit",

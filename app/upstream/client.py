@@ -46,6 +46,7 @@ from app.runtime.metrics import Metrics
 from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
 from app.upstream.endpoint import StallWatch, until_eof
+from app.upstream.negotiation import NEGOTIATION_WAIT_S, NO_WAIT, Trial
 from app.upstream.routes import NoRoute, Route, Router
 from app.upstream.shared_breaker import SharedBreakers
 from app.upstream.wire import (
@@ -100,8 +101,10 @@ class Upstream:
         metrics: Metrics,
         clock: Clock,
         shared_breakers: SharedBreakers | None = None,
+        negotiation_wait_s: float = NEGOTIATION_WAIT_S,
     ) -> None:
         self.router = router
+        self._negotiation_wait_s = negotiation_wait_s
         self._shared_breakers = shared_breakers  # REDIS_URL: probes claimed across replicas
         self.gates = gates
         self._retry = retry
@@ -191,31 +194,50 @@ class Upstream:
         chosen: Route | None = None
         while True:
             route = chosen or self._pick(request, failed_on, until())
-            probe = await self._probe_for(route)
-            if probe is None and detours < len(self.routes):
-                detours, chosen = detours + 1, None
-                continue
             call = route.shaped(request)
-            result.attempts += 1
+            trial = await self._negotiated(route, call, read_stream is not None, until())
             try:
+                probe = await self._probe_for(route)
+                if probe is None and detours < len(self.routes):
+                    detours, chosen = detours + 1, None
+                    continue
+                result.attempts += 1
                 await self._attempt(route, call, until(), read_stream, result, probe or 0)
                 result.upstream = route.name
                 return result
-            except AttemptFailed as failed:
-                if failed.reason == REROUTED and detours < len(self.routes):
-                    # Its deployment went down while the call queued: elsewhere, at once.
-                    detours, chosen = detours + 1, None
-                    failed_on.setdefault(route.name, failed.reason)
-                    self._metrics.upstream_failovers.labels(request.stage, REROUTED).inc()
-                    continue
-                if failed.reason != "negotiated":
-                    failures += 1
-                    failed_on[route.name] = failed.reason
-                shown = bool(result.text)
-                chosen = await self._before_next(request, route, failed, failures, failed_on, until())
-                if shown and on_restart is not None:  # it starts again: what was shown is void
-                    self._metrics.upstream_restarts.labels(request.stage).inc()
-                    await on_restart()
+            except AttemptFailed as exc:
+                failed = exc
+            finally:
+                if trial is not None:  # answered or not: calls waiting for it look again
+                    route.negotiation.end(trial)
+            if failed.reason == REROUTED and detours < len(self.routes):
+                # Its deployment went down while the call queued: elsewhere, at once.
+                detours, chosen = detours + 1, None
+                failed_on.setdefault(route.name, failed.reason)
+                self._metrics.upstream_failovers.labels(request.stage, REROUTED).inc()
+                continue
+            if failed.reason != "negotiated":
+                failures += 1
+                failed_on[route.name] = failed.reason
+            shown = bool(result.text)
+            chosen = await self._before_next(request, route, failed, failures, failed_on, until())
+            if shown and on_restart is not None:  # it starts again: what was shown is void
+                self._metrics.upstream_restarts.labels(request.stage).inc()
+                await on_restart()
+
+    async def _negotiated(self, route: Route, call: ChatCall, stream: bool, deadline: float) -> Trial | None:
+        """Wait, if another call is finding out whether `route` takes parameters this call
+        carries, for its answer (app/upstream/negotiation.py); a `Trial` when this call is
+        the one to find out. Before the gate and the budget: a waiting call holds neither."""
+        negotiation = route.negotiation
+        if negotiation.settled:
+            return None
+        names = route.sent_names(request_body(call, stream=stream))
+        wait_s = min(self._negotiation_wait_s, max(0.0, deadline - self._clock.now()))
+        trial, waited = await negotiation.turn(names, wait_s)
+        if waited != NO_WAIT:
+            self._metrics.upstream_negotiation_waits.labels(route.name, waited).inc()
+        return trial
 
     async def _probe_for(self, route: Route) -> int | None:
         """The probe id when this call is to be its deployment's probe (0: a plain call),
@@ -426,7 +448,8 @@ class Upstream:
         # not pass for the retry's.
         result.text, result.refusal, result.finish_reason = "", "", None
         sent_version = route.negotiation.version
-        body = route.adapt(request_body(call, stream=read_stream is not None))
+        built = request_body(call, stream=read_stream is not None)
+        body = route.adapt(built)
         try:
             response, content = await self._reply(route, orjson.dumps(body), whole=read_stream is None)
             watch: StallWatch | None = None
@@ -435,6 +458,8 @@ class Upstream:
                     raise self._status_failure(
                         route, call, reservation, response, content, sent_version, sent_at
                     )
+                if not route.negotiation.settled:  # what it carried is taken: waiting calls go
+                    route.negotiation.accept(route.sent_names(built))
                 self._observe(route, call, response, "2xx")
                 if read_stream is None:
                     usage = read_completion(content, result)

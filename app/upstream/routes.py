@@ -102,6 +102,10 @@ class Route:
             body = {k: v for k, v in body.items() if k not in unsupported}
         return self.negotiation.apply(body)
 
+    def sent_names(self, body: dict[str, Any]) -> frozenset[str]:
+        """The negotiable names `body` (before `adapt`) carries to this deployment."""
+        return self.negotiation.names_in(body, self.provider.unsupported_fields)
+
     def _format(self, response_format: dict[str, Any] | None) -> dict[str, Any] | None:
         """The stage's schema without the keywords this provider refuses (kept per schema)."""
         keywords = self.provider.unsupported_schema_keywords
