@@ -68,6 +68,7 @@ from app.upstream.client import Upstream
 from app.upstream.deployments import Deployment, DeploymentError, with_key
 from app.upstream.endpoint import ChatEndpoint
 from app.upstream.negotiation import Negotiation
+from app.upstream.probes import Prober
 from app.upstream.profiles import DEFAULT_PROFILE, profile_for
 from app.upstream.providers import PROVIDERS
 from app.upstream.routes import Route, Router
@@ -306,7 +307,9 @@ async def _upstream(
     breakers: dict[str, Breaker] = {}
     for d in deployments:
         provider = PROVIDERS[d.provider]
-        breaker = breakers[d.health_id()] = Breaker(d.name, open_base_s=settings.upstream_open_s)
+        breaker = breakers[d.health_id()] = Breaker(
+            d.name, open_base_s=settings.upstream_open_s, open_max_s=settings.upstream_probe_max_s
+        )
         metrics.upstream_state.labels(d.name).set_function(breaker.gauge)
         for stage in ("vision", "answer"):
             model = d.model_for(stage)
@@ -358,9 +361,13 @@ async def _upstream(
         retry=retry,
         metrics=metrics,
         clock=clock,
-        shared_breakers=shared,
         negotiation_wait_s=settings.negotiation_wait_s,
+        ride_out_s=settings.upstream_ride_out_s,
     )
+    # The breakers' probes: the service's own requests, never a user's call.
+    prober = Prober(routes, clock, metrics, shared=shared)
+    prober.start()
+    stack.push_async_callback(_bounded_close, "upstream probes", prober.aclose)
     return upstream, deployments[0].base_url, simulator
 
 

@@ -118,12 +118,24 @@ async def test_an_outage_moves_traffic_and_the_breaker_opens_then_closes(
             assert svc.metric("ecoscan_upstream_state", {"upstream": "primary"}) == 1  # open
             failed_over = svc.metric("ecoscan_upstream_failovers_total", {"stage": "vision", "reason": "5xx"})
             assert failed_over >= 1
-            # Open, the dead deployment gets nothing: the next scans go straight elsewhere.
-            dead_got = (await sim_stats(a))["requests_total"]
+
+            # Open, the dead deployment gets no scan's call (only the service's own probes).
+            def routed_to_primary() -> float:
+                return sum(
+                    svc.metric("ecoscan_upstream_routed_total", {"upstream": "primary", "stage": stage})
+                    for stage in ("vision", "answer")
+                )
+
+            dead_got = routed_to_primary()
             await scans(svc, 6)
-            assert (await sim_stats(a))["requests_total"] == dead_got
+            assert routed_to_primary() == dead_got
             await sim_configure(a, error_rate=0.0)
-            await asyncio.sleep(2.1)  # past the cooldown: the next call probes it
+            # The service's own probe finds it back (app/upstream/probes.py), no scan's call.
+            back = {"upstream": "primary", "outcome": "ok"}
+            assert await eventually(
+                lambda: svc.metric("ecoscan_upstream_probes_total", back) == 1, attempts=1000
+            )
+            assert routed_to_primary() == dead_got
             after = await scans(svc, 3)
             assert "primary" in {o.terminal.data["upstreams"]["answer"] for o in after}
             assert svc.metric("ecoscan_upstream_state", {"upstream": "primary"}) == 0  # closed again
@@ -257,18 +269,28 @@ async def test_with_every_route_down_the_scan_ends_with_a_wait(
 ) -> None:
     async with simulators(2) as (a, b):
         listed = [deployment("one", a), deployment("two", b)]
-        async with routed_service(database_url, sim, monkeypatch, listed, upstream_open_s=30.0) as svc:
+        settings = {"upstream_open_s": 30.0, "upstream_probe_max_s": 30.0, "upstream_ride_out_s": 0.5}
+        async with routed_service(database_url, sim, monkeypatch, listed, **settings) as svc:
             for s in (a, b):
                 await sim_configure(s, error_rate=1.0, error_status=503)
             outcomes = await scans(svc, 3)
             assert svc.metric("ecoscan_upstream_state", {"upstream": "one"}) == 1
-            (later,) = await scans(svc, 1)  # both open: still tried, at the retry pace
-    for outcome in [*outcomes, later]:
+            sent = [(await sim_stats(s))["requests_total"] for s in (a, b)]
+            (later,) = await scans(svc, 1)  # both open: no call, a short wait for a return
+            assert [(await sim_stats(s))["requests_total"] for s in (a, b)] == sent
+    for outcome in outcomes:  # failed on both, or found both open: retryable, with a wait
         error = outcome.terminal
-        assert (error.event, error.data["code"], error.data["retryable"]) == ("error", "UPSTREAM_ERROR", True)
+        assert error.event == "error" and error.data["retryable"] is True
+        assert error.data["code"] in ("UPSTREAM_ERROR", "UPSTREAM_UNAVAILABLE")
         assert error.data["retry_after"] >= 1
     # Once both are open, the error says when the first one is back.
-    assert later.terminal.data["retry_after"] >= 20
+    error = later.terminal
+    assert (error.event, error.data["code"], error.data["retryable"]) == (
+        "error",
+        "UPSTREAM_UNAVAILABLE",
+        True,
+    )
+    assert error.data["retry_after"] >= 20
 
 
 async def test_an_answer_broken_after_its_first_token_restarts_elsewhere_once(

@@ -243,6 +243,20 @@ class Metrics:
             ["upstream", "outcome"],
             registry=r,
         )
+        self.upstream_probes = Counter(
+            "ecoscan_upstream_probes_total",
+            "The service's own probes of deployments whose breaker is open (app/upstream/probes.py): "
+            "ok (closed it), failed, skipped (no budget in time), error.",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.upstream_ride_outs = Counter(
+            "ecoscan_upstream_ride_outs_total",
+            "Calls that waited for a deployment's return, every deployment of their stage being "
+            "down: returned, or expired (the deadline came first).",
+            ["stage", "outcome"],
+            registry=r,
+        )
         # Each route's own concurrency limit (app/limits/route_limits.py), by deployment and stage.
         self.upstream_limit = Gauge(
             "ecoscan_upstream_limit",

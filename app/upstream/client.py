@@ -47,8 +47,8 @@ from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
 from app.upstream.endpoint import StallWatch, until_eof
 from app.upstream.negotiation import NEGOTIATION_WAIT_S, NO_WAIT, Trial
+from app.upstream.probes import wait_for_return
 from app.upstream.routes import NoRoute, Route, Router
-from app.upstream.shared_breaker import SharedBreakers
 from app.upstream.wire import (
     Pause,
     check_finish,
@@ -73,6 +73,11 @@ OUT_STATUSES = (401, 403, 404)
 QUOTA_REASON = "insufficient_quota"
 # A call taken off a deployment whose breaker opened before the call was sent.
 REROUTED = "rerouted"
+# How many times one call waits for a deployment's return, every one of its stage's being
+# down: a deployment whose probes pass but whose calls fail must not hold a call forever.
+MAX_RIDES = 2
+# The longest one such wait lasts (UPSTREAM_RIDE_OUT_S), within the call's deadline.
+RIDE_OUT_S = 20.0
 REJECTED_KEY_MESSAGE = (
     "The AI service refused this service's credentials, or the deployment does not exist; "
     "the operator must fix the configuration."
@@ -100,12 +105,12 @@ class Upstream:
         retry: RetryPolicy,
         metrics: Metrics,
         clock: Clock,
-        shared_breakers: SharedBreakers | None = None,
         negotiation_wait_s: float = NEGOTIATION_WAIT_S,
+        ride_out_s: float = RIDE_OUT_S,
     ) -> None:
         self.router = router
         self._negotiation_wait_s = negotiation_wait_s
-        self._shared_breakers = shared_breakers  # REDIS_URL: probes claimed across replicas
+        self._ride_out_s = ride_out_s
         self.gates = gates
         self._retry = retry
         self._metrics = metrics
@@ -190,19 +195,16 @@ class Upstream:
         result = ChatResult()
         failed_on: dict[str, str] = {}  # deployment -> why it failed this call
         failures = 0
-        detours = 0  # routes skipped because another replica is probing them
+        detours = 0  # calls taken off a deployment that went down while they queued
+        rides = 0  # waits for a deployment's return, every one of the stage's being down
         chosen: Route | None = None
         while True:
-            route = chosen or self._pick(request, failed_on, until())
+            route = chosen or await self._pick(request, failed_on, until)
             call = route.shaped(request)
             trial = await self._negotiated(route, call, read_stream is not None, until())
             try:
-                probe = await self._probe_for(route)
-                if probe is None and detours < len(self.routes):
-                    detours, chosen = detours + 1, None
-                    continue
                 result.attempts += 1
-                await self._attempt(route, call, until(), read_stream, result, probe or 0)
+                await self._attempt(route, call, until(), read_stream, result)
                 result.upstream = route.name
                 return result
             except AttemptFailed as exc:
@@ -220,7 +222,14 @@ class Upstream:
                 failures += 1
                 failed_on[route.name] = failed.reason
             shown = bool(result.text)
-            chosen = await self._before_next(request, route, failed, failures, failed_on, until())
+            try:
+                chosen = await self._before_next(request, route, failed, failures, failed_on, until())
+            except NoRoute:
+                # Every deployment of the stage is down, none taken out: the call waits for
+                # one's return (a probe's success) instead of spending its attempts now.
+                if rides >= MAX_RIDES or not await self._ride_out(request.stage, until()):
+                    self._give_up(request, failed, failures)
+                rides, chosen = rides + 1, None
             if shown and on_restart is not None:  # it starts again: what was shown is void
                 self._metrics.upstream_restarts.labels(request.stage).inc()
                 await on_restart()
@@ -239,39 +248,32 @@ class Upstream:
             self._metrics.upstream_negotiation_waits.labels(route.name, waited).inc()
         return trial
 
-    async def _probe_for(self, route: Route) -> int | None:
-        """The probe id when this call is to be its deployment's probe (0: a plain call),
-        or None: another replica probes it now (or knows it open for longer), so this
-        call goes elsewhere. The probe is claimed before the gate and the budget, so no
-        other call of this process takes it meanwhile."""
-        breaker = route.breaker
-        if not breaker.would_probe(self._clock.now()):
-            return 0
-        shared = self._shared_breakers
-        if shared is not None:
-            wait_s = await shared.claim_probe(breaker)
-            if wait_s is not None:
-                breaker.probed_elsewhere(self._clock.now(), wait_s)
-                return None
-            if breaker.state == CLOSED:  # closed by another call meanwhile
-                shared.probe_ended(breaker)
-                return 0
-        probe = breaker.begin(self._clock.now())
-        if not probe and shared is not None:  # changed during the claim: not ours to hold
-            shared.probe_ended(breaker)
-        return probe or None
+    async def _pick(
+        self, request: ChatRequest, failed_on: Mapping[str, str], until: Callable[[], float]
+    ) -> Route:
+        """The first attempt's route; with every deployment of the stage down (none taken
+        out), once one is back, within the deadline."""
+        while True:
+            try:
+                return self.router.pick(
+                    request.stage,
+                    lambda r: r.limiter_tokens(r.estimate(request)),
+                    avoid=failed_on,
+                    within_s=until() - self._clock.now(),
+                )
+            except NoRoute as none:
+                if none.returning and await self._ride_out(request.stage, until()):
+                    continue
+                log.warning("%s call: no deployment can take it for %.1f s", request.stage, none.wait_s)
+                raise self._none_left(request.stage, none.wait_s) from None
 
-    def _pick(self, request: ChatRequest, failed_on: Mapping[str, str], deadline: float) -> Route:
-        try:
-            return self.router.pick(
-                request.stage,
-                lambda r: r.limiter_tokens(r.estimate(request)),
-                avoid=failed_on,
-                within_s=deadline - self._clock.now(),
-            )
-        except NoRoute as none:
-            log.warning("%s call: no deployment can take it for %.1f s", request.stage, none.wait_s)
-            raise self._none_left(request.stage, none.wait_s) from None
+    async def _ride_out(self, stage: str, deadline: float) -> bool:
+        """Wait for one of `stage`'s deployments to come back (its probe succeeded), until
+        `deadline` or for `UPSTREAM_RIDE_OUT_S`: True when one did."""
+        wait_s = min(self._ride_out_s, deadline - self._clock.now())
+        back = await wait_for_return(self.router.by_stage.get(stage, []), wait_s)
+        self._metrics.upstream_ride_outs.labels(stage, "returned" if back else "expired").inc()
+        return back
 
     def _none_left(self, stage: str, wait_s: float) -> ScanFailed:
         """Every deployment serving `stage` is out: the error says why. Refused keys or
@@ -296,19 +298,25 @@ class Upstream:
         deadline: float,
     ) -> Route | None:
         """Raise when this was the last attempt; otherwise wait as long as the next one must
-        and say where it goes (None: wherever the router picks)."""
+        and say where it goes (None: wherever the router picks). `NoRoute` when every
+        deployment of the stage is down and one may come back."""
         if failed.reason == "negotiated":  # the same route again, without what it refused
             return route
         left = deadline - self._clock.now()
-        if not failed.retry or failures >= self._retry.max_attempts or left <= 0:
+        if not failed.retry or left <= 0:
             self._give_up(request, failed, failures)
-        self._metrics.upstream_retries.labels(route.model, failed.reason).inc()
         try:
             following = self.router.pick(
                 request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on, within_s=left
             )
-        except NoRoute:  # every deployment taken out (a key, a deployment, a quota): that is the answer
+        except NoRoute as none:
+            if none.returning:  # every one down, some coming back: the caller waits for it
+                raise
+            # Every deployment taken out (a key, a deployment, a quota): that is the answer.
             self._give_up(request, failed, failures)
+        if failures >= self._retry.max_attempts:
+            self._give_up(request, failed, failures)
+        self._metrics.upstream_retries.labels(route.model, failed.reason).inc()
         if following.name not in failed_on:  # another deployment can take it: go at once
             self._metrics.upstream_failovers.labels(request.stage, failed.reason).inc()
             log.info(
@@ -340,10 +348,8 @@ class Upstream:
         deadline: float,
         read_stream: ReadStream | None,
         result: ChatResult,
-        probe: int,
     ) -> None:
-        """One attempt on `route`; `probe`: its breaker's probe id when this call is the
-        probe (freed here unless the call gives its verdict)."""
+        """One attempt on `route`."""
         budget = route.budget
         gate = self.gates[call.stage]
         m = self._metrics
@@ -354,7 +360,7 @@ class Upstream:
                 m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
                 budget_started = time.perf_counter()
                 try:
-                    reservation = await self._reserve(route, call, deadline, probe)
+                    reservation = await self._reserve(route, call, deadline)
                 except BudgetDeadlineExceeded:
                     # Not this deployment's fault: another one's budget may take the call in time.
                     wait_s = budget.predicted_wait(call.reservation_tokens)
@@ -398,17 +404,12 @@ class Upstream:
                     m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
         finally:
             route.limit.leave(entered)
-            if probe:  # no verdict (cancelled, or never sent): the next call may probe
-                breaker.released(probe)
 
-    async def _reserve(self, route: Route, call: ChatCall, deadline: float, probe: int) -> Reservation:
-        """The call's reservation on `route`'s budget. A call that is not the probe does not
-        go to a deployment whose breaker opened before it was sent (while it queued for the
-        budget, say): it leaves the queue at once and is `REROUTED`, when another
-        deployment can take it."""
+    async def _reserve(self, route: Route, call: ChatCall, deadline: float) -> Reservation:
+        """The call's reservation on `route`'s budget. A call does not go to a deployment
+        whose breaker opened before it was sent (while it queued for the budget, say): it
+        leaves the queue at once, `REROUTED`, for another deployment or its return."""
         budget, breaker = route.budget, route.breaker
-        if probe or not self._elsewhere(route):
-            return await budget.reserve(call.reservation_tokens, deadline=deadline)
         if breaker.state != CLOSED:
             raise AttemptFailed(UpstreamUnavailable(), retry=True, reason=REROUTED)
         opened = False
@@ -429,11 +430,6 @@ class Upstream:
             if not opened:
                 raise
             raise AttemptFailed(UpstreamUnavailable(), retry=True, reason=REROUTED) from None
-
-    def _elsewhere(self, route: Route) -> bool:
-        """Can another deployment take `route`'s stage now?"""
-        now = self._clock.now()
-        return any(r is not route and r.breaker.ready(now) for r in self.router.by_stage.get(route.stage, []))
 
     async def _call(
         self,

@@ -3,8 +3,9 @@ endpoint), what they spend (its limit group's budget for the model), whether the
 go (the deployment's breaker), and how the deployment's model is asked (the stage's call
 shaped for that model, its provider's body rules, what it refused so far).
 
-`Router.pick` chooses a route per attempt: among the stage's routes whose breaker lets
-a call through (all but those taken out, when every one is open: `Router.usable`), the
+`Router.pick` chooses a route per attempt: among the stage's routes whose breaker is
+closed (with none, `NoRoute` says whether one may come back: the call can wait for its
+probe, app/upstream/probes.py), the
 lowest `priority` whose budgets can admit the call before its deadline; within it, the
 one whose budget admits the call soonest among those with room under their own
 concurrency limit (app/limits/route_limits.py; all of them when none has room, or none
@@ -120,11 +121,13 @@ class Route:
 
 
 class NoRoute(Exception):
-    """No deployment can take the call now; `wait_s`: when the first one may again."""
+    """No deployment can take the call now; `wait_s`: when the first one may again;
+    `returning`: some are open, not taken out (a probe's success brings one back)."""
 
-    def __init__(self, stage: str, wait_s: float) -> None:
+    def __init__(self, stage: str, wait_s: float, *, returning: bool = False) -> None:
         super().__init__(f"no route for {stage}")
         self.wait_s = wait_s
+        self.returning = returning
 
 
 class Router:
@@ -162,11 +165,12 @@ class Router:
         the call's deadline. A priority whose budgets cannot admit the call by then, or
         within `spill_after_s`, is passed over for the next (with none that can, the
         route that admits it soonest)."""
-        ready = self.usable(stage)
+        now = self._clock.now()
+        routes = self.by_stage.get(stage, [])
+        ready = [r for r in routes if r.breaker.ready(now)]
         if not ready:
-            now = self._clock.now()
-            soonest = min((r.breaker.open_until for r in self.by_stage.get(stage, [])), default=now + 1.0)
-            raise NoRoute(stage, max(0.0, soonest - now))
+            soonest = min((r.breaker.open_until for r in routes), default=now + 1.0)
+            raise NoRoute(stage, max(0.0, soonest - now), returning=any(not r.breaker.out for r in routes))
         fresh = [r for r in ready if not avoid or r.name not in avoid] or ready
         waits: dict[int, float] = {}
 
