@@ -67,6 +67,7 @@ from app.upstream.breaker import Breaker
 from app.upstream.client import Upstream
 from app.upstream.deployments import Deployment, DeploymentError, with_key
 from app.upstream.endpoint import ChatEndpoint
+from app.upstream.hedging import HedgeBudget, HedgePolicy
 from app.upstream.negotiation import Negotiation
 from app.upstream.probes import Prober
 from app.upstream.profiles import DEFAULT_PROFILE, profile_for
@@ -363,6 +364,12 @@ async def _upstream(
         clock=clock,
         negotiation_wait_s=settings.negotiation_wait_s,
         ride_out_s=settings.upstream_ride_out_s,
+        hedging=HedgePolicy(
+            settings.hedge_factor,
+            settings.hedge_min_s,
+            settings.hedge_max_s,
+            HedgeBudget(settings.hedge_budget),
+        ),
     )
     # The breakers' probes: the service's own requests, never a user's call.
     prober = Prober(routes, clock, metrics, shared=shared)

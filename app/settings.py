@@ -96,6 +96,13 @@ class Settings:
     # The longest a call waits for a deployment's return when every deployment of its stage
     # is down (within its deadline): short outages are ridden out, long ones fail the call.
     upstream_ride_out_s: float = 20.0
+    # Hedging (app/upstream/hedging.py): a call whose reply has not begun by its deployment's
+    # recent first-byte p99 x HEDGE_FACTOR (within HEDGE_MIN_S..HEDGE_MAX_S) is sent again to
+    # another deployment; at most HEDGE_BUDGET of the last minute's calls (0: never).
+    hedge_factor: float = 1.5
+    hedge_min_s: float = 1.0
+    hedge_max_s: float = 10.0
+    hedge_budget: float = 0.05
 
     # --- many replicas, one key (app/runtime/redis_link.py, app/limits/shared_budget.py) -------
     # Set: the OpenAI budget, per-user caps and running scans' events are shared by every
@@ -181,6 +188,10 @@ class Settings:
             raise SettingsError(
                 "BODY_BUFFER_MAX_BYTES must hold at least one largest body (4/3 x IMAGE_MAX_BYTES + 64 KiB)"
             )
+        if self.hedge_max_s < self.hedge_min_s:
+            raise SettingsError("HEDGE_MAX_S must be at least HEDGE_MIN_S")
+        if self.hedge_budget > 1:
+            raise SettingsError("HEDGE_BUDGET must be a fraction of the calls, at most 1")
         if self.upstream_probe_max_s < self.upstream_open_s:
             raise SettingsError("UPSTREAM_PROBE_MAX_S must be at least UPSTREAM_OPEN_S")
         if self.image_long_side < 64:
@@ -336,6 +347,7 @@ _AUTO_IS_DEFAULT = frozenset({"cpu_max_workers"})
 
 # Settings where 0 is meaningful (0 retries, no flush delay, no admission wait...).
 _MAY_BE_ZERO = {
+    "hedge_budget",
     "db_pool_min",
     "cpu_queue_limit",
     "admission_wait_s",

@@ -257,6 +257,14 @@ class Metrics:
             ["stage", "outcome"],
             registry=r,
         )
+        self.upstream_hedges = Counter(
+            "ecoscan_upstream_hedges_total",
+            "Calls whose reply was late past their deployment's first-byte p99 x HEDGE_FACTOR "
+            "(app/upstream/hedging.py): sent (a hedge went), no_route, no_budget; then won (the "
+            "hedge answered first) or lost.",
+            ["stage", "outcome"],
+            registry=r,
+        )
         # Each route's own concurrency limit (app/limits/route_limits.py), by deployment and stage.
         self.upstream_limit = Gauge(
             "ecoscan_upstream_limit",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -46,6 +47,7 @@ from app.runtime.metrics import Metrics
 from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
 from app.upstream.endpoint import StallWatch, until_eof
+from app.upstream.hedging import HedgePolicy, claim, race, sending
 from app.upstream.negotiation import NEGOTIATION_WAIT_S, NO_WAIT, Trial
 from app.upstream.probes import wait_for_return
 from app.upstream.routes import NoRoute, Route, Router
@@ -73,6 +75,8 @@ OUT_STATUSES = (401, 403, 404)
 QUOTA_REASON = "insufficient_quota"
 # A call taken off a deployment whose breaker opened before the call was sent.
 REROUTED = "rerouted"
+# An attempt whose hedge (or first attempt) answered first: cancelled, never retried.
+HEDGE_LOST = "hedge_lost"
 # How many times one call waits for a deployment's return, every one of its stage's being
 # down: a deployment whose probes pass but whose calls fail must not hold a call forever.
 MAX_RIDES = 2
@@ -107,8 +111,10 @@ class Upstream:
         clock: Clock,
         negotiation_wait_s: float = NEGOTIATION_WAIT_S,
         ride_out_s: float = RIDE_OUT_S,
+        hedging: HedgePolicy | None = None,
     ) -> None:
         self.router = router
+        self._hedging = hedging  # None: calls are never hedged
         self._negotiation_wait_s = negotiation_wait_s
         self._ride_out_s = ride_out_s
         self.gates = gates
@@ -204,8 +210,8 @@ class Upstream:
             trial = await self._negotiated(route, call, read_stream is not None, until())
             try:
                 result.attempts += 1
-                await self._attempt(route, call, until(), read_stream, result)
-                result.upstream = route.name
+                served = await self._hedged(route, call, request, until(), read_stream, result)
+                result.upstream = served.name
                 return result
             except AttemptFailed as exc:
                 failed = exc
@@ -233,6 +239,83 @@ class Upstream:
             if shown and on_restart is not None:  # it starts again: what was shown is void
                 self._metrics.upstream_restarts.labels(request.stage).inc()
                 await on_restart()
+
+    async def _hedged(
+        self,
+        route: Route,
+        call: ChatCall,
+        request: ChatRequest,
+        deadline: float,
+        read_stream: ReadStream | None,
+        result: ChatResult,
+    ) -> Route:
+        """One attempt on `route`, hedged on another deployment when its reply is late
+        (app/upstream/hedging.py); returns the route that served it."""
+        policy = self._hedging
+        # Counted on its route at once, before its task runs: the next call's pick sees it.
+        first = self._attempt(route, call, deadline, read_stream, result, route.limit.enter())
+        if policy is None or len(self.router.by_stage.get(route.stage, ())) < 2:
+            await first
+            return route
+        policy.budget.call(self._clock.now())
+        hedged_on: list[Route] = []
+        hedge_result = ChatResult()  # its own: it must not touch what the first attempt reads
+
+        def hedge() -> Awaitable[None] | None:
+            spare = self._spare(route, request)
+            outcome = "no_route" if spare is None else "sent"
+            if spare is not None and not policy.budget.take(self._clock.now()):
+                spare, outcome = None, "no_budget"
+            self._metrics.upstream_hedges.labels(route.stage, outcome).inc()
+            if spare is None:
+                return None
+            hedged_on.append(spare)
+            result.attempts += 1
+            return self._attempt(
+                spare, spare.shaped(request), deadline, read_stream, hedge_result, spare.limit.enter()
+            )
+
+        after_s = route.first_byte.hedge_after(policy.factor, policy.floor_s, policy.ceiling_s)
+        started = self._clock.now()
+        try:
+            winner = await race(first, hedge, after_s)
+        except AttemptFailed as failed:
+            if failed.reason == "timeout":  # no first byte at all: late
+                route.first_byte.mark(late=True, now=self._clock.now())
+            raise
+        if not hedged_on:
+            return route
+        self._metrics.upstream_hedges.labels(route.stage, "won" if winner == 2 else "lost").inc()
+        if winner == 1:
+            return route
+        # Its reply was late past its own p99: its limit backs off, the router sends it less.
+        route.limit.observe(self._clock.now() - started, overloaded=True)
+        route.first_byte.mark(late=True, now=self._clock.now())
+        _take_over(result, hedge_result)
+        return hedged_on[0]
+
+    def _first_byte(self, route: Route, seconds: float) -> None:
+        """A reply's head came after `seconds`: learned, and on time or late."""
+        times = route.first_byte
+        times.observe(seconds)
+        if self._hedging is not None:
+            policy = self._hedging
+            late = seconds > times.hedge_after(policy.factor, policy.floor_s, policy.ceiling_s)
+            times.mark(late=late, now=self._clock.now())
+
+    def _spare(self, route: Route, request: ChatRequest) -> Route | None:
+        """A closed deployment other than `route`'s with room under its limit and budget to
+        spare now, for a hedge: the least loaded."""
+        now = self._clock.now()
+        spare = [
+            r
+            for r in self.router.by_stage.get(route.stage, ())
+            if r.name != route.name
+            and r.breaker.ready(now)
+            and r.limit.has_room
+            and r.budget.predicted_wait(r.limiter_tokens(r.estimate(request))) == 0
+        ]
+        return min(spare, key=lambda r: r.limit.load_with_one_more, default=None)
 
     async def _negotiated(self, route: Route, call: ChatCall, stream: bool, deadline: float) -> Trial | None:
         """Wait, if another call is finding out whether `route` takes parameters this call
@@ -348,13 +431,16 @@ class Upstream:
         deadline: float,
         read_stream: ReadStream | None,
         result: ChatResult,
+        entered: int | None = None,
     ) -> None:
-        """One attempt on `route`."""
+        """One attempt on `route`; `entered`: its token in the route's limit, when the
+        caller counted it there already (an attempt that runs as a task of its own)."""
         budget = route.budget
         gate = self.gates[call.stage]
         m = self._metrics
         breaker = route.breaker
-        entered = route.limit.enter()  # the route's from now: `Router.pick` counts it there
+        if entered is None:
+            entered = route.limit.enter()  # the route's from now: `Router.pick` counts it there
         try:
             async with gate.hold() as gate_wait:
                 m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
@@ -496,8 +582,12 @@ class Upstream:
         response: aiohttp.ClientResponse | None = None
         try:
             async with waiting:
+                sending()
                 response = await endpoint.post(body)
+                self._first_byte(route, time.monotonic() - sent)
                 ok = 200 <= response.status < 300
+                if ok and not claim():  # a hedged call's other attempt answered first
+                    raise AttemptFailed(UpstreamError(), retry=False, reason=HEDGE_LOST)
                 content = await response.read() if whole or not ok else b""
         except BaseException as exc:
             if response is not None:
@@ -605,3 +695,12 @@ class Upstream:
 
     def _count(self, call: ChatCall, status: str) -> None:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
+
+
+def _take_over(result: ChatResult, hedge: ChatResult) -> None:
+    """The hedge answered: its reply is the call's; the time of both attempts counts."""
+    queue_s, service_s, attempts = result.queue_s, result.service_s, result.attempts
+    for f in dataclasses.fields(ChatResult):
+        setattr(result, f.name, getattr(hedge, f.name))
+    result.queue_s, result.service_s = queue_s + hedge.queue_s, service_s + hedge.service_s
+    result.attempts = attempts

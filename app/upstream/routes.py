@@ -34,6 +34,7 @@ from app.upstream.breaker import Breaker
 from app.upstream.call import ChatCall, ChatRequest
 from app.upstream.deployments import Deployment
 from app.upstream.endpoint import ChatEndpoint
+from app.upstream.hedging import FirstByteTimes
 from app.upstream.negotiation import Negotiation, without_keywords
 from app.upstream.profiles import CallShape
 from app.upstream.providers.base import Provider
@@ -54,6 +55,8 @@ class Route:
     # How long this deployment's replies to this stage took lately, to their head (a
     # whole reply when not streamed): how long the next one is waited for.
     reply_took: RecentPeak = field(default_factory=RecentPeak)
+    # Its recent first-byte times, to hedge a call whose reply is late (app/upstream/hedging.py).
+    first_byte: FirstByteTimes = field(default_factory=FirstByteTimes)
     _formats: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @property
@@ -172,6 +175,8 @@ class Router:
             soonest = min((r.breaker.open_until for r in routes), default=now + 1.0)
             raise NoRoute(stage, max(0.0, soonest - now), returning=any(not r.breaker.out for r in routes))
         fresh = [r for r in ready if not avoid or r.name not in avoid] or ready
+        # A deployment whose replies are mostly late takes calls only when no other can.
+        fresh = [r for r in fresh if not r.first_byte.slow(now)] or fresh
         waits: dict[int, float] = {}
 
         def wait(route: Route) -> float:
