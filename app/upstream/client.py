@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -47,7 +46,7 @@ from app.runtime.metrics import Metrics
 from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
 from app.upstream.endpoint import StallWatch, until_eof
-from app.upstream.hedging import HedgePolicy, claim, race, sending
+from app.upstream.hedging import HedgePolicy, claim, race, sending, take_over
 from app.upstream.negotiation import NEGOTIATION_WAIT_S, NO_WAIT, Trial
 from app.upstream.probes import wait_for_return
 from app.upstream.routes import NoRoute, Route, Router
@@ -262,7 +261,7 @@ class Upstream:
         hedge_result = ChatResult()  # its own: it must not touch what the first attempt reads
 
         def hedge() -> Awaitable[None] | None:
-            spare = self._spare(route, request)
+            spare = self.router.spare(route, lambda r: r.limiter_tokens(r.estimate(request)))
             outcome = "no_route" if spare is None else "sent"
             if spare is not None and not policy.budget.take(self._clock.now()):
                 spare, outcome = None, "no_budget"
@@ -275,7 +274,7 @@ class Upstream:
                 spare, spare.shaped(request), deadline, read_stream, hedge_result, spare.limit.enter()
             )
 
-        after_s = route.first_byte.hedge_after(policy.factor, policy.floor_s, policy.ceiling_s)
+        after_s = policy.after(route.first_byte)
         started = self._clock.now()
         try:
             winner = await race(first, hedge, after_s)
@@ -291,31 +290,8 @@ class Upstream:
         # Its reply was late past its own p99: its limit backs off, the router sends it less.
         route.limit.observe(self._clock.now() - started, overloaded=True)
         route.first_byte.mark(late=True, now=self._clock.now())
-        _take_over(result, hedge_result)
+        take_over(result, hedge_result)
         return hedged_on[0]
-
-    def _first_byte(self, route: Route, seconds: float) -> None:
-        """A reply's head came after `seconds`: learned, and on time or late."""
-        times = route.first_byte
-        times.observe(seconds)
-        if self._hedging is not None:
-            policy = self._hedging
-            late = seconds > times.hedge_after(policy.factor, policy.floor_s, policy.ceiling_s)
-            times.mark(late=late, now=self._clock.now())
-
-    def _spare(self, route: Route, request: ChatRequest) -> Route | None:
-        """A closed deployment other than `route`'s with room under its limit and budget to
-        spare now, for a hedge: the least loaded."""
-        now = self._clock.now()
-        spare = [
-            r
-            for r in self.router.by_stage.get(route.stage, ())
-            if r.name != route.name
-            and r.breaker.ready(now)
-            and r.limit.has_room
-            and r.budget.predicted_wait(r.limiter_tokens(r.estimate(request))) == 0
-        ]
-        return min(spare, key=lambda r: r.limit.load_with_one_more, default=None)
 
     async def _negotiated(self, route: Route, call: ChatCall, stream: bool, deadline: float) -> Trial | None:
         """Wait, if another call is finding out whether `route` takes parameters this call
@@ -584,7 +560,10 @@ class Upstream:
             async with waiting:
                 sending()
                 response = await endpoint.post(body)
-                self._first_byte(route, time.monotonic() - sent)
+                seen_after = time.monotonic() - sent
+                route.first_byte.observe(seen_after)
+                if self._hedging is not None:  # on time, or late: the route's late share
+                    self._hedging.judge(route.first_byte, seen_after, self._clock.now())
                 ok = 200 <= response.status < 300
                 if ok and not claim():  # a hedged call's other attempt answered first
                     raise AttemptFailed(UpstreamError(), retry=False, reason=HEDGE_LOST)
@@ -695,12 +674,3 @@ class Upstream:
 
     def _count(self, call: ChatCall, status: str) -> None:
         self._metrics.upstream_calls.labels(call.model, ENDPOINT, status).inc()
-
-
-def _take_over(result: ChatResult, hedge: ChatResult) -> None:
-    """The hedge answered: its reply is the call's; the time of both attempts counts."""
-    queue_s, service_s, attempts = result.queue_s, result.service_s, result.attempts
-    for f in dataclasses.fields(ChatResult):
-        setattr(result, f.name, getattr(hedge, f.name))
-    result.queue_s, result.service_s = queue_s + hedge.queue_s, service_s + hedge.service_s
-    result.attempts = attempts

@@ -20,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextvars
+import dataclasses
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from app.upstream.call import ChatResult
 
 # Replies seen before a deployment's p99 is trusted; the ceiling is used until then.
 MIN_SAMPLES = 20
@@ -128,6 +131,14 @@ class HedgePolicy:
     ceiling_s: float
     budget: HedgeBudget
 
+    def after(self, times: FirstByteTimes) -> float:
+        """How long a call on the route `times` belongs to waits for its head before a hedge."""
+        return times.hedge_after(self.factor, self.floor_s, self.ceiling_s)
+
+    def judge(self, times: FirstByteTimes, seconds: float, now: float) -> None:
+        """A head came after `seconds`: on time, or late (past the hedge's delay)."""
+        times.mark(late=seconds > self.after(times), now=now)
+
 
 @dataclass(eq=False)
 class Race:
@@ -212,3 +223,12 @@ async def race(first: Awaitable[None], hedge: Callable[[], Awaitable[None] | Non
         for task in tasks:
             task.cancel()
         await asyncio.gather(won, sent, *tasks, return_exceptions=True)
+
+
+def take_over(result: ChatResult, hedge: ChatResult) -> None:
+    """The hedge answered: its reply is the call's; the time of both attempts counts."""
+    queue_s, service_s, attempts = result.queue_s, result.service_s, result.attempts
+    for f in dataclasses.fields(ChatResult):
+        setattr(result, f.name, getattr(hedge, f.name))
+    result.queue_s, result.service_s = queue_s + hedge.queue_s, service_s + hedge.service_s
+    result.attempts = attempts

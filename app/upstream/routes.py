@@ -205,6 +205,21 @@ class Router:
         assert best is not None  # `fresh` is never empty
         return best
 
+    def spare(self, route: Route, tokens: Callable[[Route], int]) -> Route | None:
+        """For a hedge of a call on `route`: another closed route of its stage with room
+        under its limit and budget to spare now (`tokens(route)` admitted at once), the
+        least loaded; None when budgets or limits bind."""
+        now = self._clock.now()
+        spare = [
+            r
+            for r in self.by_stage.get(route.stage, ())
+            if r.name != route.name
+            and r.breaker.ready(now)
+            and r.limit.has_room
+            and r.budget.predicted_wait(tokens(r)) == 0
+        ]
+        return min(spare, key=lambda r: r.limit.load_with_one_more, default=None)
+
     def predicted_wait(self, stage: str, tokens: Callable[[Route], int], *, ahead: int) -> float:
         """How long a new `stage` call would wait for a budget behind `ahead` calls:
         admission's look-ahead counts the capacity of every route, as `pick` spends it.
