@@ -113,7 +113,7 @@ class Prober:
                     task = asyncio.create_task(self._probe(route), name=f"probe-{route.name}")
                     self._probes[breaker] = task
                     task.add_done_callback(functools.partial(self._ended, breaker))
-                else:
+                elif breaker.open_until > now:  # its next probe is due then
                     pause = min(pause, breaker.open_until - now)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(MIN_PAUSE_S, pause)):
