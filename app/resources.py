@@ -70,7 +70,10 @@ from app.upstream.breaker import Breaker
 from app.upstream.client import Upstream
 from app.upstream.deployments import Deployment, DeploymentError, with_key
 from app.upstream.endpoint import ChatEndpoint
+from app.upstream.hedging import HedgeBudget, HedgePolicy
 from app.upstream.negotiation import Negotiation
+from app.upstream.probes import Prober
+from app.upstream.profiles import DEFAULT_PROFILE, profile_for
 from app.upstream.providers import PROVIDERS
 from app.upstream.routes import Route, Router
 from app.upstream.shared_breaker import SharedBreakers
@@ -309,7 +312,9 @@ async def _upstream(
     breakers: dict[str, Breaker] = {}
     for d in deployments:
         provider = PROVIDERS[d.provider]
-        breaker = breakers[d.health_id()] = Breaker(d.name, open_base_s=settings.upstream_open_s)
+        breaker = breakers[d.health_id()] = Breaker(
+            d.name, open_base_s=settings.upstream_open_s, open_max_s=settings.upstream_probe_max_s
+        )
         metrics.upstream_state.labels(d.name).set_function(breaker.gauge)
         for stage in ("vision", "answer"):
             model = d.model_for(stage)
@@ -331,7 +336,10 @@ async def _upstream(
                 )
                 stack.push_async_callback(_bounded_close, f"connections to {d.name}", endpoint.aclose)
                 endpoints[(d.name, model)] = endpoint
-                negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}")
+                # A provider we know serving a model its profile describes: what it takes is
+                # known; any other (a compatible server, a model we do not know) is found out.
+                known = d.provider != "compatible" and profile_for(model) is not DEFAULT_PROFILE
+                negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}", settled=known)
             shape = settings.call_shape(stage, model=model, token_param=d.token_param)
             routes.append(
                 Route(
@@ -358,8 +366,19 @@ async def _upstream(
         retry=retry,
         metrics=metrics,
         clock=clock,
-        shared_breakers=shared,
+        negotiation_wait_s=settings.negotiation_wait_s,
+        ride_out_s=settings.upstream_ride_out_s,
+        hedging=HedgePolicy(
+            settings.hedge_factor,
+            settings.hedge_min_s,
+            settings.hedge_max_s,
+            HedgeBudget(settings.hedge_budget),
+        ),
     )
+    # The breakers' probes: the service's own requests, never a user's call.
+    prober = Prober(routes, clock, metrics, shared=shared)
+    prober.start()
+    stack.push_async_callback(_bounded_close, "upstream probes", prober.aclose)
     return upstream, deployments[0].base_url, simulator
 
 

@@ -64,8 +64,9 @@ class Settings:
     openai_token_param: str = "auto"
     vision_reasoning_effort: str | None = None
     answer_reasoning_effort: str | None = None
-    # How long a failing deployment's breaker stays open at first (doubling, up to 60 s).
-    upstream_open_s: float = 5.0
+    # How long after a deployment's breaker opens the service's first probe of it goes
+    # (app/upstream/probes.py); each failed probe doubles it, up to UPSTREAM_PROBE_MAX_S.
+    upstream_open_s: float = 1.0
     openai_connect_timeout_s: float = 5.0
     openai_read_timeout_s: float = 20.0
     vision_timeout_s: float = 30.0
@@ -92,6 +93,24 @@ class Settings:
     retry_max_attempts: int = 4
     retry_base_delay_s: float = 0.25
     retry_max_delay_s: float = 8.0
+
+    # --- upstream health: negotiation in one flight, probes (app/upstream/negotiation.py, probes.py)
+    # How long a call waits for the one call finding out whether its deployment takes a
+    # parameter it has not answered for yet; then it goes as it is.
+    negotiation_wait_s: float = 2.0
+    # The longest pause between two probes of a deployment that is down: how late a
+    # deployment that came back may be found (app/upstream/probes.py).
+    upstream_probe_max_s: float = 3.0
+    # The longest a call waits for a deployment's return when every deployment of its stage
+    # is down (within its deadline): short outages are ridden out, long ones fail the call.
+    upstream_ride_out_s: float = 20.0
+    # Hedging (app/upstream/hedging.py): a call whose reply has not begun by its deployment's
+    # recent first-byte p99 x HEDGE_FACTOR (within HEDGE_MIN_S..HEDGE_MAX_S) is sent again to
+    # another deployment; at most HEDGE_BUDGET of the last minute's calls (0: never).
+    hedge_factor: float = 1.5
+    hedge_min_s: float = 1.0
+    hedge_max_s: float = 10.0
+    hedge_budget: float = 0.05
 
     # --- many replicas, one key (app/runtime/redis_link.py, app/limits/shared_budget.py) -------
     # Set: the OpenAI budget, per-user caps and running scans' events are shared by every
@@ -189,6 +208,12 @@ class Settings:
                 "BODY_BUFFER_MAX_BYTES must hold at least one largest body (4/3 x IMAGE_MAX_BYTES + 64 KiB)"
             )
         self._check_upload_caps()
+        if self.hedge_max_s < self.hedge_min_s:
+            raise SettingsError("HEDGE_MAX_S must be at least HEDGE_MIN_S")
+        if self.hedge_budget > 1:
+            raise SettingsError("HEDGE_BUDGET must be a fraction of the calls, at most 1")
+        if self.upstream_probe_max_s < self.upstream_open_s:
+            raise SettingsError("UPSTREAM_PROBE_MAX_S must be at least UPSTREAM_OPEN_S")
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
         self._check_models()
@@ -368,6 +393,7 @@ _AUTO_IS_DEFAULT = frozenset({"cpu_max_workers"})
 
 # Settings where 0 is meaningful (0 retries, no flush delay, no admission wait...).
 _MAY_BE_ZERO = {
+    "hedge_budget",
     "db_pool_min",
     "cpu_queue_limit",
     "admission_wait_s",

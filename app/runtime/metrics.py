@@ -237,6 +237,35 @@ class Metrics:
             ["upstream", "parameter"],
             registry=r,
         )
+        self.upstream_negotiation_waits = Counter(
+            "ecoscan_upstream_negotiation_waits_total",
+            "Calls that waited for another call to find out whether their deployment takes "
+            "their parameters (app/upstream/negotiation.py): answered, or timed_out (went as they were).",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.upstream_probes = Counter(
+            "ecoscan_upstream_probes_total",
+            "The service's own probes of deployments whose breaker is open (app/upstream/probes.py): "
+            "ok (closed it), failed, skipped (no budget in time), error.",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.upstream_ride_outs = Counter(
+            "ecoscan_upstream_ride_outs_total",
+            "Calls that waited for a deployment's return, every deployment of their stage being "
+            "down: returned, or expired (the deadline came first).",
+            ["stage", "outcome"],
+            registry=r,
+        )
+        self.upstream_hedges = Counter(
+            "ecoscan_upstream_hedges_total",
+            "Calls whose reply was late past their deployment's first-byte p99 x HEDGE_FACTOR "
+            "(app/upstream/hedging.py): sent (a hedge went), no_route, no_budget; then won (the "
+            "hedge answered first) or lost.",
+            ["stage", "outcome"],
+            registry=r,
+        )
         # Each route's own concurrency limit (app/limits/route_limits.py), by deployment and stage.
         self.upstream_limit = Gauge(
             "ecoscan_upstream_limit",

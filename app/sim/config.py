@@ -80,6 +80,10 @@ class SimConfig:
     # 503), hang (calls are read and never answered until switched back) or refuse (the
     # API port stops listening and open connections are reset; the control port stays).
     outage: str = "none"
+    # A provider whose replies are late: this fraction of chat calls (1.0: every one) is held
+    # ``hold_s`` seconds (real time) before its first byte, after the limiter counted it.
+    hold_rate: float = 0.0
+    hold_s: float = 60.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -115,6 +119,8 @@ class SimConfig:
             _kinds(f"{fault}_kinds", getattr(self, f"{fault}_kinds"))
         _at_least("reasoning_scale", self.reasoning_scale, 0.0)
         _at_least("capture_requests", self.capture_requests, 0)
+        _fraction("hold_rate", self.hold_rate)
+        _at_least("hold_s", self.hold_s, 0.0)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SimConfig:
