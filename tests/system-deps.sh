@@ -20,8 +20,9 @@
 # there it only looks (well under a second, plus `docker info`). `make test SYSTEM_DEPS=skip`
 # does not run it.
 set -euo pipefail
-# dockerd and iptables live in sbin, which is not on a Debian user's PATH.
-PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
+# dockerd and iptables live in sbin, which is not on a Debian user's PATH
+# (SYSTEM_SBIN: the directories looked in, for tests/test_system_deps.py).
+PATH="$PATH:${SYSTEM_SBIN-/usr/local/sbin:/usr/sbin:/sbin}"
 
 DOCKERD_LOG=${DOCKERD_LOG:-/tmp/dockerd.log}
 DOCKERD_START_S=60  # for a dockerd to answer `docker info` after it starts
