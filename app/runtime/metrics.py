@@ -204,6 +204,20 @@ class Metrics:
             ["model", "type"],
             registry=r,
         )
+        # What the provider's limiter charges against our estimate (app/limits/charge_learning.py).
+        self.upstream_charge = Histogram(
+            "ecoscan_upstream_charge_tokens",
+            "Tokens one call reserved as its provider's limiter counts them: estimate x learned ratio.",
+            ["model", "kind"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.upstream_charge_ratio = Gauge(
+            "ecoscan_upstream_charge_ratio",
+            "Learned ratio of what the limiter charges to what we estimate, per budget and call kind.",
+            ["budget", "kind"],
+            registry=r,
+        )
         self.ratelimit_remaining = Gauge(
             "ecoscan_upstream_ratelimit_remaining",
             "Last x-ratelimit-remaining-* seen, by resource (requests, tokens).",
