@@ -52,15 +52,8 @@ async def charged_per_s(sim: RunningSimulator, seconds: float) -> tuple[float, d
     return (last["tokens_charged_total"] - first["tokens_charged_total"]) / (ended - started), last
 
 
-@pytest.mark.parametrize(
-    ("factor", "hangul", "note"),
-    [(0.6, 1.0, ENGLISH), (1.5, 1.0, ENGLISH), (0.6, 0.7, KOREAN), (1.5, 1.3, KOREAN)],
-    ids=["x0.6-english", "x1.5-english", "x0.6-korean", "x1.5-korean"],
-)
-async def test_a_limiter_counting_differently_is_spent_to_95_percent_without_429(
-    database_url: str, sim: RunningSimulator, factor: float, hangul: float, note: str
-) -> None:
-    limited = SimConfig(
+def limited(factor: float, hangul: float) -> SimConfig:
+    return SimConfig(
         time_scale=0.002,
         rpm=0,
         tpm=TPM,
@@ -69,32 +62,78 @@ async def test_a_limiter_counting_differently_is_spent_to_95_percent_without_429
         charge_factor=factor,
         charge_hangul=hangul,
     )
-    async with run_simulator(limited) as upstream:
-        settings = settings_for(
-            database_url,
-            upstream,
-            openai_tpm=TPM,
-            openai_rpm=100_000,
-            max_inflight_per_user=100,
-            vision_cache_entries=0,
-            answer_cache_entries=0,
-        )
+
+
+async def spend(
+    services: list[Any], upstream: RunningSimulator, note: str, seed: int
+) -> tuple[float, dict[str, Any], list[int]]:
+    """24 users scanning through `services` in turn: the share of the TPM the limiter
+    charged once learned, its stats, the answers' statuses."""
+    stop, seeds = asyncio.Event(), [seed]
+    users = [
+        asyncio.create_task(scan_loop(services[i % len(services)], note, stop, seeds)) for i in range(24)
+    ]
+    try:
+        await asyncio.sleep(15)  # learning: well within a minute of traffic
+        rate, stats = await charged_per_s(upstream, 20)
+    finally:
+        stop.set()
+        statuses = [s for u in await asyncio.gather(*users) for s in u]
+    return rate * 60 / TPM, stats, statuses
+
+
+def ratios(svc: Any) -> dict[str, float]:
+    labels = {"budget": "gpt-4o-mini"}
+    return {k: svc.metric("ecoscan_upstream_charge_ratio", {**labels, "kind": k}) for k in ("image", "text")}
+
+
+SERVICE = {
+    "openai_rpm": 100_000,
+    "openai_tpm": TPM,
+    "max_inflight_per_user": 100,
+    "vision_cache_entries": 0,
+    "answer_cache_entries": 0,
+}
+
+
+@pytest.mark.parametrize(
+    ("factor", "hangul", "note"),
+    [(0.6, 1.0, ENGLISH), (1.5, 1.0, ENGLISH), (0.6, 0.7, KOREAN), (1.5, 1.3, KOREAN)],
+    ids=["x0.6-english", "x1.5-english", "x0.6-korean", "x1.5-korean"],
+)
+async def test_a_limiter_counting_differently_is_spent_to_95_percent_without_429(
+    database_url: str, sim: RunningSimulator, factor: float, hangul: float, note: str
+) -> None:
+    async with run_simulator(limited(factor, hangul)) as upstream:
+        settings = settings_for(database_url, upstream, **SERVICE)
         async with running_service(settings) as svc:
-            stop, seeds = asyncio.Event(), [int(factor * 10_000 + hangul * 1000)]
-            users = [asyncio.create_task(scan_loop(svc, note, stop, seeds)) for _ in range(24)]
-            try:
-                await asyncio.sleep(15)  # learning: well within a minute of traffic
-                rate, stats = await charged_per_s(upstream, 20)
-            finally:
-                stop.set()
-                statuses = [s for u in await asyncio.gather(*users) for s in u]
-            ratios = {
-                kind: svc.metric("ecoscan_upstream_charge_ratio", {"budget": "gpt-4o-mini", "kind": kind})
-                for kind in ("image", "text")
-            }
-    print(f"factor {factor} hangul {hangul}: {rate * 60 / TPM:.3f} of TPM, ratios {ratios}, {stats}")
-    print({s: statuses.count(s) for s in set(statuses)})
+            share, stats, statuses = await spend([svc], upstream, note, int(factor * 10_000 + hangul * 1000))
+            learned = ratios(svc)
     assert stats["rate_limited_total"] == 0
-    assert rate * 60 >= 0.95 * TPM, (rate * 60 / TPM, ratios)
-    assert rate * 60 <= 1.05 * TPM, (rate * 60 / TPM, ratios)  # the limiter's own minute is not overspent
+    assert 0.95 <= share <= 1.05, (share, learned)  # the limiter's own minute is not overspent either
     assert statuses.count(200) > 0
+    # What it learned is the limiter's formula (Hangul counted its way in the prompts).
+    assert 0.5 * factor < learned["image"] < 1.5 * factor, learned
+
+
+async def test_two_replicas_sharing_a_key_learn_apart_from_each_others_calls(
+    database_url: str, sim: RunningSimulator, redis_server_url: str, redis_prefix: str
+) -> None:
+    """Each replica pairs only readings with no call of the other between them (calls are
+    numbered in Redis): the other's calls are not mistaken for a charge of its own."""
+    shared = {**SERVICE, "redis_url": redis_server_url, "redis_prefix": redis_prefix}
+    async with run_simulator(limited(0.6, 0.7)) as upstream:
+        settings = settings_for(database_url, upstream, **shared)
+        async with running_service(settings) as a, running_service(settings) as b:
+            share, stats, statuses = await spend([a, b], upstream, KOREAN, 50_000)
+            learned = [ratios(a), ratios(b)]
+            numbered = [
+                svc.metric("ecoscan_budget_redis_calls_total", {"model": "gpt-4o-mini", "op": "sent"})
+                for svc in (a, b)
+            ]
+    assert stats["rate_limited_total"] == 0
+    assert 0.95 <= share <= 1.05, (share, learned)
+    assert statuses.count(200) > 0
+    assert min(numbered) > 0
+    for ratio in learned:
+        assert 0.4 < ratio["image"] < 0.7, learned

@@ -9,25 +9,32 @@ charged to what we estimated, and reserves `ceil(estimate x ratio x (1 + margin)
 
 Reading a charge. `x-ratelimit-remaining-tokens` is the limiter's level just after it
 charged the call the reply answers (it charges on arrival, which on our side is the
-send). Every call sent on the key gets a number in order (`Sent.seq`: a local counter,
-or one counter in Redis shared by every replica using the key, so another replica's
-calls are not mistaken for ours). For two calls with consecutive numbers, the second's
-charge is what the level lost between them, refill included:
+send). Each call is counted as it is sent (`Sent.counted`: the running sums of the
+estimates sent on the key so far, per kind, this call's included; kept locally, or in
+Redis where the replicas share the key, so that they count each other's calls too). For
+two of this process's calls sent one after the other, i and j, what the limiter charged
+for everything sent after i up to j is what its level lost between them, refill included:
 
-    charge_j = min(limit, remaining_i + refill_per_s x (sent_j - sent_i)) - remaining_j
+    charged = min(limit, remaining_i + refill_per_s x (sent_j - sent_i)) - remaining_j
 
-exact whatever the other calls in flight do (nothing else of ours was sent in between),
-and whether or not the limiter's bucket was full (the `min`). Readings arrive out of
-order; a pair is read when its second reading arrives. A call with no reading (a broken
-connection) leaves a gap: its neighbours learn nothing from each other. Callers we cannot
-see on the key look like extra charges (the ratio errs high: safe); the budget's net
-refill rate (app/limits/rate_learning.py) is the refill used when it has one.
+and what we estimated for the same calls is `counted_j - counted_i`. Alone on a key the
+interval holds j only: its charge exactly, whether or not the limiter's bucket was full
+(the `min`). With other replicas' calls in it, the `min` makes it a lower bound when the
+bucket filled up in between (then the key has room to spare, and the error is undone
+once the budget spends it). Readings arrive out of order; an interval is read when its
+second reading arrives; a call of ours with no reading (a broken connection) leaves a gap
+nobody reads across. The ratios per kind are the weighted least-squares fit of
+`charged = ratio_text x estimated_text + ratio_image x estimated_image` over about
+`LEARN_CALLS` recent intervals, each weighted by 1 / its estimate (alone on a key: the
+ratio of the sums of charges and estimates, where one reading's jitter cancels against
+its neighbour's), pulled lightly towards the ratios in force where the intervals cannot
+tell the kinds apart. Callers we cannot see on the key look like extra charges (the ratio
+errs high: safe); the budget's net refill rate (app/limits/rate_learning.py) is the
+refill used when it has one.
 
-Keeping it safe. The ratio starts at 1 (today's estimate); it follows the charged /
-estimated sums over about `LEARN_CALLS` recent calls of its kind (ratio of sums: the
-jitter of one reading cancels against its neighbour's) and moves at most `step` (a
-fraction) per reading, within [`min_ratio`, `max_ratio`]. A 429 on tokens pulls the
-ratio up at once by `step` and discards the sums, so a wrong learning cannot last.
+Keeping it safe. The ratios start at 1 (today's estimate), move at most `step` (a
+fraction) per reading, within [`min_ratio`, `max_ratio`]. A 429 on tokens pulls its
+kind's ratio up at once by `step` and discards the sums, so a wrong learning cannot last.
 
 Without headers (Gemini) nothing is read; the ratio is learned from 429s alone: each
 pulls it up by what the wait it asked for says was missing (`retry_delay x refill`,
@@ -42,15 +49,20 @@ from dataclasses import dataclass
 __all__ = ["KINDS", "LEARN_CALLS", "ChargeLearner", "ChargeLearning", "Sent"]
 
 KINDS = ("text", "image")
-# The sums forget a reading's weight over about this many calls of its kind: at one call
-# a second, the ratio follows a change within a minute.
-LEARN_CALLS = 20
-# Readings before the sums say anything (one pair's jitter must not set the ratio).
+# The sums forget an interval's weight over about this many intervals: at one call a
+# second, the ratio follows a change within a minute.
+LEARN_CALLS = 10
+# Intervals holding a kind before its ratio moves (one reading's jitter must not set it).
 MIN_SAMPLES = 3
+# How strongly the fit leans on the ratios in force, as a share of the data's weight:
+# enough to settle kinds the intervals never separate, too little to bias the others.
+PRIOR_WEIGHT = 0.05
 # Readings kept while their neighbours are in flight; older ones are dropped.
 KEEP_READINGS = 512
 # Without headers: how long without a 429 before the ratio relaxes one step towards 1.
 RELAX_S = 30.0
+
+Counted = tuple[float, float]  # running sums of estimates sent, text and image
 
 
 @dataclass(frozen=True)
@@ -74,32 +86,58 @@ class ChargeLearning:
 
 @dataclass(frozen=True, slots=True)
 class Sent:
-    """One call as sent: its number on the key (None: unknown, it teaches nothing), when
-    (this process's clock), its kind and today's estimate of what the limiter counts."""
+    """One call as sent: this process's number for it (None: not counted, it teaches
+    nothing), when (this process's clock), its kind, today's estimate of what the limiter
+    counts, and the key's running sums of estimates once it was counted."""
 
-    seq: int | None
+    number: int | None
     at: float
     kind: str
     estimate: int
+    counted: Counted = (0.0, 0.0)
+
+
+def counted_plus(counted: Counted, kind: str, estimate: float) -> Counted:
+    text, image = counted
+    return (text, image + estimate) if kind == "image" else (text + estimate, image)
 
 
 @dataclass(slots=True)
 class _Reading:
-    at: float
+    sent: Sent
     remaining: int
-    estimate: int  # 0: not charged (a 429): a neighbour, never a sample
-    kind: str
+    charged: bool  # False: a 429, the limiter took nothing for it
 
 
-class _Ratio:
-    """One kind's learned ratio and the decayed sums it follows."""
+class _Fit:
+    """Decayed weighted least squares of charged = r . estimated (two kinds)."""
 
-    __slots__ = ("charged", "estimated", "samples", "value")
+    __slots__ = ("a", "b", "samples")
 
     def __init__(self) -> None:
-        self.value = 1.0
-        self.charged = self.estimated = 0.0
-        self.samples = 0
+        self.a = [[0.0, 0.0], [0.0, 0.0]]
+        self.b = [0.0, 0.0]
+        self.samples = [0, 0]
+
+    def add(self, x: Counted, charged: float) -> None:
+        weight = 1.0 / (x[0] + x[1])
+        keep = 1.0 - 1.0 / LEARN_CALLS
+        for i in range(2):
+            self.b[i] = self.b[i] * keep + weight * x[i] * charged
+            for j in range(2):
+                self.a[i][j] = self.a[i][j] * keep + weight * x[i] * x[j]
+            self.samples[i] += x[i] > 0
+
+    def solve(self, prior: tuple[float, float]) -> tuple[float, float]:
+        """The fit, leaning on `prior` by `PRIOR_WEIGHT` of the data's weight."""
+        (a, h), (_, d) = self.a
+        lam = PRIOR_WEIGHT * (a + d) / 2
+        a, d = a + lam, d + lam
+        b1, b2 = self.b[0] + lam * prior[0], self.b[1] + lam * prior[1]
+        det = a * d - h * h
+        if det <= 0:
+            return prior
+        return (d * b1 - h * b2) / det, (a * b2 - h * b1) / det
 
 
 class ChargeLearner:
@@ -108,16 +146,17 @@ class ChargeLearner:
     def __init__(self, config: ChargeLearning | None = None, *, headers: bool = True) -> None:
         self.config = config or ChargeLearning()
         self.headers = headers  # False: learn from 429s only
-        self._ratios = {kind: _Ratio() for kind in KINDS}
+        self._ratios = [1.0, 1.0]  # text, image
+        self._fit = _Fit()
         self._readings: dict[int, _Reading] = {}
-        self._seq = 0
+        self._number = 0
+        self._counted: Counted = (0.0, 0.0)
         self._last_429 = -math.inf
         self._relaxed_at = -math.inf
-        self.charged_total = 0.0  # what the readings say the limiter charged
-        self.samples_total = 0
+        self.intervals = 0  # intervals read: what the learning rests on
 
     def ratio(self, kind: str) -> float:
-        return self._ratios[kind].value if kind in self._ratios else 1.0
+        return self._ratios[_index(kind)]
 
     def charge(self, kind: str, estimate: int) -> int:
         """What to reserve for a call `estimate` tokens by today's formula."""
@@ -125,10 +164,14 @@ class ChargeLearner:
             return estimate
         return math.ceil(estimate * self.ratio(kind) * (1.0 + self.config.margin))
 
-    def next_seq(self) -> int:
-        """The next number on this key, when this process alone numbers its calls."""
-        self._seq += 1
-        return self._seq
+    def next_number(self) -> int:
+        self._number += 1
+        return self._number
+
+    def count(self, kind: str, estimate: int, at: float) -> Sent:
+        """A call about to be sent, counted here: this process alone on its key."""
+        self._counted = counted_plus(self._counted, kind, estimate)
+        return Sent(self.next_number(), at, kind, estimate, self._counted)
 
     # ----- readings -----------------------------------------------------------------------
 
@@ -138,44 +181,41 @@ class ChargeLearner:
         """One reply's `remaining` tokens for the call `sent`; `limit` bounds the level
         and `refill_per_min` is its refill for us. `charged`: False for a 429 (the limiter
         took nothing, its level is still a neighbour's reading)."""
-        if not (self.config.enabled and self.headers) or sent.seq is None or limit <= 0:
+        if not (self.config.enabled and self.headers) or sent.number is None or limit <= 0:
             return
-        reading = _Reading(sent.at, remaining, sent.estimate if charged else 0, sent.kind)
-        self._readings[sent.seq] = reading
+        reading = _Reading(sent, remaining, charged)
+        self._readings[sent.number] = reading
         if len(self._readings) > KEEP_READINGS:
-            for seq in sorted(self._readings)[: len(self._readings) - KEEP_READINGS // 2]:
-                del self._readings[seq]
+            for number in sorted(self._readings)[: len(self._readings) - KEEP_READINGS // 2]:
+                del self._readings[number]
         rate = refill_per_min / 60.0
-        before = self._readings.get(sent.seq - 1)
+        before = self._readings.get(sent.number - 1)
         if before is not None:
-            self._pair(before, reading, limit, rate)
-        after = self._readings.get(sent.seq + 1)
+            self._interval(before, reading, limit, rate)
+        after = self._readings.get(sent.number + 1)
         if after is not None:
-            self._pair(reading, after, limit, rate)
+            self._interval(reading, after, limit, rate)
 
-    def _pair(self, first: _Reading, second: _Reading, limit: int, rate: float) -> None:
-        if second.estimate <= 0:
-            return
-        level = min(float(limit), first.remaining + rate * max(0.0, second.at - first.at))
-        self._learn(second.kind, level - second.remaining, second.estimate)
+    def _interval(self, first: _Reading, second: _Reading, limit: int, rate: float) -> None:
+        one, two = first.sent, second.sent
+        x = (two.counted[0] - one.counted[0], two.counted[1] - one.counted[1])
+        if not second.charged:  # counted as sent, charged nothing: not in the interval
+            x = counted_plus(x, two.kind, -two.estimate)
+        if min(x) < 0 or x[0] + x[1] <= 0:
+            return  # counted out of order (concurrent sends of ours): nothing to read
+        level = min(float(limit), first.remaining + rate * max(0.0, two.at - one.at))
+        self._fit.add(x, level - second.remaining)
+        self.intervals += 1
+        fitted = self._fit.solve((self._ratios[0], self._ratios[1]))
+        for i in range(2):
+            if self._fit.samples[i] >= MIN_SAMPLES:
+                self._ratios[i] = self._stepped(self._ratios[i], fitted[i])
 
-    def _learn(self, kind: str, charged: float, estimate: int) -> None:
-        ratio = self._ratios[kind]
-        keep = 1.0 - 1.0 / LEARN_CALLS
-        ratio.charged = ratio.charged * keep + charged
-        ratio.estimated = ratio.estimated * keep + estimate
-        ratio.samples += 1
-        self.charged_total += max(0.0, charged)
-        self.samples_total += 1
-        if ratio.samples < MIN_SAMPLES or ratio.estimated <= 0:
-            return
-        self._move(ratio, ratio.charged / ratio.estimated)
-
-    def _move(self, ratio: _Ratio, target: float) -> None:
-        """Towards `target`, at most one step, within the bounds."""
+    def _stepped(self, value: float, target: float) -> float:
+        """From `value` towards `target`, at most one step, within the bounds."""
         cfg = self.config
-        low, high = ratio.value / (1.0 + cfg.step), ratio.value * (1.0 + cfg.step)
-        ratio.value = min(cfg.max_ratio, max(cfg.min_ratio, min(high, max(low, target))))
+        low, high = value / (1.0 + cfg.step), value * (1.0 + cfg.step)
+        return min(cfg.max_ratio, max(cfg.min_ratio, min(high, max(low, target))))
 
     # ----- 429s ---------------------------------------------------------------------------
 
@@ -186,15 +226,13 @@ class ChargeLearner:
         if not self.config.enabled:
             return
         self._last_429 = self._relaxed_at = now
-        ratio = self._ratios.get(kind)
-        if ratio is None:
-            return
-        target = ratio.value * (1.0 + self.config.step)
+        i = _index(kind)
+        value = self._ratios[i]
+        target = value * (1.0 + self.config.step)
         if missing is not None and reserved > 0:
-            target = min(target, ratio.value * (1.0 + max(0.0, missing) / reserved))
-        self._move(ratio, max(target, ratio.value))
-        ratio.charged = ratio.estimated = 0.0
-        ratio.samples = 0
+            target = min(target, value * (1.0 + max(0.0, missing) / reserved))
+        self._ratios[i] = self._stepped(value, max(target, value))
+        self._fit = _Fit()
 
     def relax(self, now: float) -> None:
         """Without headers: a step back towards 1 per `RELAX_S` without a 429, so a limit
@@ -202,6 +240,8 @@ class ChargeLearner:
         if self.headers or now - max(self._last_429, self._relaxed_at) < RELAX_S:
             return
         self._relaxed_at = now
-        for ratio in self._ratios.values():
-            if ratio.value > 1.0:
-                ratio.value = max(1.0, ratio.value / (1.0 + self.config.step))
+        self._ratios = [max(1.0, r / (1.0 + self.config.step)) if r > 1.0 else r for r in self._ratios]
+
+
+def _index(kind: str) -> int:
+    return 1 if kind == "image" else 0

@@ -16,8 +16,8 @@ Design decisions:
   them is `rate_learning.py`.
 - What the provider's limiter charges a call, against our estimate, is learned from the
   same headers by `charges` (`charge_learning.py`): callers reserve what it says
-  (`Route.limiter_tokens`), number each call as it is sent (`sent`) and hand the number
-  back with the reply's headers (`observe_headers(..., sent=)`).
+  (`Route.limiter_tokens`), count each call as it is sent (`sent`) and hand that back
+  with the reply's headers (`observe_headers(..., sent=)`).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ class RateBudget:
         today's formula: its reply's headers then say what it was charged."""
         now = self._clock.now()
         self.charges.relax(now)
-        return Sent(self.charges.next_seq(), now, kind, estimate)
+        return self.charges.count(kind, estimate, now)
 
     def charge_refused(self, kind: str, reserved: int, wait_s: float | None, limit_type: str | None) -> None:
         """A 429 for a call that reserved `reserved`: unless it says requests ran out, the

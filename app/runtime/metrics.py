@@ -355,7 +355,8 @@ class Metrics:
         )
         self.budget_redis_calls = Counter(
             "ecoscan_budget_redis_calls_total",
-            "Lease calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, error.",
+            "Budget calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, "
+            "sent (a call counted), error.",
             ["model", "op"],
             registry=r,
         )
