@@ -222,14 +222,15 @@ class ChargeLearner:
     def rate_limited(self, kind: str, now: float, *, reserved: int, missing: float | None = None) -> None:
         """A 429 on tokens for a call of `kind` that reserved `reserved`: the ratio was too
         low (or another caller took the room): one step up at once, the sums discarded.
-        `missing`: tokens the wait it asked for says the limiter lacked (no headers)."""
+        `missing`: tokens the wait it asked for says the limiter lacked, what bounds the
+        step where no headers come (with headers, the readings take over from here)."""
         if not self.config.enabled:
             return
         self._last_429 = self._relaxed_at = now
         i = _index(kind)
         value = self._ratios[i]
         target = value * (1.0 + self.config.step)
-        if missing is not None and reserved > 0:
+        if missing is not None and reserved > 0 and not self.headers:
             target = min(target, value * (1.0 + max(0.0, missing) / reserved))
         self._ratios[i] = self._stepped(value, max(target, value))
         self._fit = _Fit()
