@@ -330,8 +330,10 @@ def report(
 
 def spent_line(args: argparse.Namespace, timeline: list[dict[str, Any]]) -> str:
     """The share of the simulator's TPM its limiter charged after the warm-up (what the key
-    allows, whatever the service estimated), between the first poll past it and the last."""
-    steady = [p for p in timeline if p["t"] >= args.warmup]
+    allows, whatever the service estimated), between the first poll past it and the last
+    one within the run."""
+    seconds = float(args.duration.rstrip("s"))  # k6's own wind-down after it is not load
+    steady = [p for p in timeline if args.warmup <= p["t"] <= seconds]
     if len(steady) < 2:
         return "TPM spent: too few polls after the warm-up"
     first, last = steady[0], steady[-1]
