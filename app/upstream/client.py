@@ -551,7 +551,7 @@ class Upstream:
             self._metrics.upstream_429.labels(call.model, str(info.code or info.kind or "unknown")).inc()
             # A 429 is not counted by the upstream: give the reservation back.
             reservation.settle(None)
-            route.budget.charge_refused(call.kind, reservation.tokens, wait_s, info.kind)
+            route.budget.charge_refused(call.kind, reservation.tokens, wait_s, info.limit)
             if info.code == "insufficient_quota":
                 route.breaker.take_out(now, QUOTA_REASON, QUOTA_COOLDOWN_S)
                 return AttemptFailed(UpstreamQuotaExhausted(), retry=True, reason=QUOTA_REASON)
