@@ -1,5 +1,6 @@
 # ecoscan developer commands. `make run` and `make test` work on a fresh machine
-# with Python 3.11: they create .venv and install what they need.
+# with Python 3.11: they create .venv and install what they need (`make test`, as root
+# with apt-get, the system packages its tests need too: tests/system-deps.sh).
 
 PYTHON ?= python3.11
 VENV   ?= .venv
@@ -7,7 +8,7 @@ BIN    := $(VENV)/bin
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: run test fuzz lint typecheck check sim bench-images clean image
+.PHONY: run test system-deps fuzz lint typecheck check sim bench-images clean image
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -24,11 +25,23 @@ run: $(VENV)/.installed
 # pytest on TEST_WORKERS processes (pytest-xdist): more than the cores, as most of a test's
 # time is spent waiting on processes; the count is measured in docs/benchmarks.md.
 TEST_WORKERS ?= 6
-test: $(VENV)/.installed
+# tests/system-deps.sh first: the system packages and the dockerd the tests need, installed
+# as root with apt-get, else named and the run stopped before it starts. SYSTEM_DEPS=skip:
+# not checked (the tests whose tool is missing fail, or skip where docker is missing).
+SYSTEM_DEPS ?= install
+PYTEST_ARGS ?=
+test: system-deps $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+system-deps:
+ifeq ($(SYSTEM_DEPS),skip)
+	@echo "SYSTEM_DEPS=skip: system packages for the tests not checked"
+else
+	@bash tests/system-deps.sh
+endif
 
 # The OpenAPI fuzz (tests/test_openapi.py) at length: `make test` runs it bounded (20
 # examples per operation, fixed seed); this runs FUZZ_MAX_EXAMPLES, with FUZZ_SEED to vary.

@@ -49,14 +49,17 @@ from app.limits.sizing import (
     Sizing,
 )
 from app.limits.stage_gate import StageGate
+from app.limits.user_quota import UserQuota, windows
 from app.runtime.box import BoxLimits, box_limits
 from app.runtime.loop_lag import probe_loop_lag
 from app.runtime.metrics import Metrics
-from app.runtime.redis_link import RedisLink, redact_url
+from app.runtime.redaction import redact_url
+from app.runtime.redis_link import RedisLink
 from app.scans.drain import Drain
+from app.scans.followers import FollowerCaps
 from app.scans.housekeeping import purge_old_scans, sweep_lost_scans
 from app.scans.liveness import Liveness, leased_instances
-from app.scans.mirror import ScanStreams
+from app.scans.mirror import FOLLOW_MAX_CONNECTIONS, ScanStreams
 from app.scans.pipeline import ScanPipeline
 from app.scans.runner import StageRunner
 from app.scans.store import ScanStore
@@ -172,6 +175,7 @@ async def lifespan_resources(
             identity=identity,
             metrics=metrics,
             idempotency_ttl_s=settings.idempotency_ttl_s,
+            quota=_user_quota(settings, redis, metrics, stack),
         )
         drain = Drain(pipeline, drain_s=settings.shutdown_drain_s)
         metrics.shutting_down.set_function(lambda: float(drain.draining))
@@ -504,7 +508,12 @@ def _scan_streams(
     if redis is None:
         return None
     deadline_s, block_s = settings.scan_deadline_s, settings.sse_ping_s
-    streams = ScanStreams(redis, metrics, scan_deadline_s=deadline_s, block_s=block_s)
+    caps = FollowerCaps(
+        per_user=settings.followers_max_per_user,
+        per_scan=settings.followers_max_per_scan,
+        total=FOLLOW_MAX_CONNECTIONS,
+    )
+    streams = ScanStreams(redis, metrics, scan_deadline_s=deadline_s, block_s=block_s, caps=caps)
     stack.push_async_callback(_bounded_close, "scan event streams", streams.close)
     return streams
 
@@ -561,9 +570,27 @@ def _shared_user_caps(
     if redis is None:
         return None
     caps = SharedUserCaps(redis, on_error=metrics.user_caps_redis_errors.inc)
+    metrics.user_caps_unreleased.set_function(lambda: float(caps.unreleased))
     caps.start()
     stack.push_async_callback(_bounded_close, "per-user caps", caps.aclose)
     return caps
+
+
+def _user_quota(
+    settings: Settings, redis: RedisLink | None, metrics: Metrics, stack: AsyncExitStack
+) -> UserQuota | None:
+    """USER_SCAN_RATE_PER_MIN / USER_DAILY_SCAN_QUOTA, shared through Redis when there is one."""
+    limits = windows(settings.user_scan_rate_per_min, settings.user_daily_scan_quota)
+    if not limits:
+        return None
+    quota = UserQuota(
+        limits,
+        link=redis,
+        on_error=metrics.user_quota_redis_errors.inc,
+        on_refused=lambda code: metrics.admission_rejected.labels(code).inc(),
+    )
+    stack.push_async_callback(_bounded_close, "per-user rate and quota", quota.aclose)
+    return quota
 
 
 def _admission(
@@ -586,10 +613,11 @@ def _admission(
 
 def _body_reader(settings: Settings, limits: InputLimits, metrics: Metrics) -> BodyReader:
     reader = BodyReader(
-        BodyBudget(settings.body_buffer_max_bytes),
+        BodyBudget(settings.body_buffer_max_bytes, per_client=settings.body_buffer_max_bytes_per_client),
         limit=limits.max_body_bytes,
         timeout_s=settings.body_read_timeout_s,
         min_bytes_per_s=settings.body_min_bytes_per_s,
+        gap_s=settings.body_gap_timeout_s,
     )
     metrics.body_bytes_buffered.set_function(_reader(reader.budget, "in_use"))
     return reader
@@ -607,7 +635,7 @@ def _input_limits(settings: Settings) -> InputLimits:
 
 async def _database(settings: Settings, stack: AsyncExitStack) -> str:
     if settings.database_url is not None:
-        log.info("database: DATABASE_URL (%s)", _redact(settings.database_url))
+        log.info("database: DATABASE_URL (%s)", redact_url(settings.database_url))
         return settings.database_url
     embedded = EmbeddedPostgres(settings.embedded_pg_dir)
     dsn = await embedded.start()
@@ -622,7 +650,7 @@ async def _database(settings: Settings, stack: AsyncExitStack) -> str:
 async def _upstream_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple[str, str, Any]:
     if not settings.uses_simulator:
         url = settings.openai_base_url or "https://api.openai.com/v1"
-        log.info("upstream: OpenAI-compatible API at %s", url)
+        log.info("upstream: OpenAI-compatible API at %s", redact_url(url))
         return url, settings.openai_api_key or "", None
     # The simulator is a development stand-in: imported only when it runs.
     from app.sim.config import SimConfig
@@ -714,10 +742,3 @@ async def _bounded_close(
 
 def _reader(obj: object, attribute: str) -> Callable[[], float]:
     return lambda: float(getattr(obj, attribute))
-
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url

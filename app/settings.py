@@ -16,16 +16,20 @@ from urllib.parse import urlsplit
 
 from app.limits.charge_learning import ChargeLearning
 from app.limits.sizing import LimitSpec
+from app.runtime.redaction import redact_url
 from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
 from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
 
 AUTH_MODES = ("gateway", "jwt")
 # RFC 7518 §3.2: an HS256 key at least as long as its hash output.
 MIN_SECRET_BYTES = 32
+# The gateway's shared secret travels in a header on every request: long enough not to be
+# guessed, visible ASCII so that every proxy passes it unchanged.
+MIN_GATEWAY_SECRET_CHARS = 16
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 # Settings that hold secrets may instead be read from a file: `<NAME>_FILE` names it (a
 # compose or Kubernetes secret), so the value never sits in the process's environment.
-FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret")
+FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret", "auth_gateway_secret")
 
 
 class SettingsError(ValueError):
@@ -39,7 +43,7 @@ def _default_workers() -> int:
 @dataclass(frozen=True)
 class Settings:
     # --- resources -------------------------------------------------------------
-    database_url: str | None = None
+    database_url: str | None = field(default=None, repr=False)
     embedded_pg_dir: str = ".ecoscan/pgdata"
     db_pool_min: int = 2
     db_pool_max: str | int = "auto"  # `auto`: app/db/pool.py's pool_size
@@ -79,6 +83,10 @@ class Settings:
     cpu_queue_limit: str | int = "auto"
     max_inflight_scans: str | int = "auto"
     max_inflight_per_user: int = 4
+    # Per-user scan rate and quota (app/limits/user_quota.py): scans a caller may start in a
+    # minute and in 24 hours, shared by every replica through REDIS_URL. 0: off.
+    user_scan_rate_per_min: int = 0
+    user_daily_scan_quota: int = 0
     admission_wait_s: float = 0.5
     max_budget_wait_s: float = 10.0
     scan_deadline_s: float = 60.0
@@ -112,6 +120,15 @@ class Settings:
     body_read_timeout_s: float = 15.0
     body_min_bytes_per_s: float = 8192.0
     body_buffer_max_bytes: int = 256 * 1024 * 1024
+    # Uploads nobody can hold (app/intake/body_reader.py): a body with no new bytes for
+    # this long is cut off, and one client's bodies hold at most this much at once (and
+    # never more than BODY_BUFFER_MAX_BYTES, whichever is smaller).
+    body_gap_timeout_s: float = 10.0
+    body_buffer_max_bytes_per_client: int = 32 * 1024 * 1024
+    # Following scans of other replicas (app/scans/followers.py): each follow holds one of
+    # the process's Redis follower connections while the scan runs.
+    followers_max_per_user: int = 8
+    followers_max_per_scan: int = 4
 
     # --- streaming and caching ----------------------------------------------------
     sse_ping_s: float = 15.0
@@ -144,6 +161,8 @@ class Settings:
     auth_jwks_ttl_s: float = 300.0
     auth_jwks_refetch_s: float = 30.0
     auth_jwks_timeout_s: float = 5.0
+    # AUTH_MODE=gateway: X-User-ID is believed only with this secret in X-Gateway-Secret.
+    auth_gateway_secret: str | None = field(default=None, repr=False)
 
     # --- the built-in simulator (used when OPENAI_API_KEY is unset) ------------------
     # The SIM_* variables as given, one per field of app/sim/config.py's SimConfig; read
@@ -176,6 +195,7 @@ class Settings:
             raise SettingsError(
                 "BODY_BUFFER_MAX_BYTES must hold at least one largest body (4/3 x IMAGE_MAX_BYTES + 64 KiB)"
             )
+        self._check_upload_caps()
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
         self._check_charges()
@@ -225,6 +245,7 @@ class Settings:
             "AUTH_JWKS_URL": self.auth_jwks_url,
         }
         given = [name for name, value in sources.items() if value]
+        self._check_gateway_secret()
         if self.auth_mode == "gateway":
             claims = {
                 "AUTH_JWT_ISSUER": self.auth_jwt_issuer,
@@ -246,6 +267,23 @@ class Settings:
         if self.auth_jwks_url:
             self._check_jwks_url(self.auth_jwks_url)
 
+    def _check_gateway_secret(self) -> None:
+        secret = self.auth_gateway_secret
+        if secret is None:
+            return
+        if self.auth_mode != "gateway":
+            raise SettingsError(
+                f"AUTH_GATEWAY_SECRET only applies with AUTH_MODE=gateway (AUTH_MODE is {self.auth_mode})"
+            )
+        if len(secret) < MIN_GATEWAY_SECRET_CHARS:
+            raise SettingsError(
+                f"AUTH_GATEWAY_SECRET must be at least {MIN_GATEWAY_SECRET_CHARS} characters long"
+            )
+        if not all("!" <= c <= "~" for c in secret):
+            raise SettingsError(
+                "AUTH_GATEWAY_SECRET must be visible ASCII without spaces (it is sent as a header)"
+            )
+
     @staticmethod
     def _check_jwks_url(url: str) -> None:
         parts = urlsplit(url)
@@ -254,6 +292,14 @@ class Settings:
         if parts.scheme == "http" and parts.hostname not in _LOOPBACK_HOSTS:
             # Whoever can alter the key set can sign tokens for any user.
             raise SettingsError("AUTH_JWKS_URL must use https:// (plain http only to a loopback address)")
+
+    def _check_upload_caps(self) -> None:
+        largest = self.image_max_bytes * 4 // 3 + 64 * 1024
+        if self.body_buffer_max_bytes_per_client < largest:
+            raise SettingsError(
+                "BODY_BUFFER_MAX_BYTES_PER_CLIENT must hold at least one largest body "
+                "(4/3 x IMAGE_MAX_BYTES + 64 KiB)"
+            )
 
     def _check_redis(self) -> None:
         if self.liveness_renew_s >= self.liveness_ttl_s:
@@ -367,6 +413,8 @@ _MAY_BE_ZERO = {
     "disconnect_grace_s",
     "gc_young_threshold",
     "charge_margin",
+    "user_scan_rate_per_min",
+    "user_daily_scan_quota",
 }
 
 
@@ -417,11 +465,5 @@ def _boolean(name: str, raw: str) -> bool:
     raise SettingsError(f"{env_name(name)} must be true/false, 1/0, yes/no or on/off, got {raw!r}")
 
 
-def display_url(url: str) -> str:
-    """The URL without its query or credentials, for messages and logs."""
-    parts = urlsplit(url)
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        port = ":?"
-    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"
+# The one URL redactor (app/runtime/redaction.py), under the name app/intake/identity.py uses.
+display_url = redact_url

@@ -5,7 +5,9 @@ answers, else a `redis-server` this test session starts (and stops). Tests never
 a database: each takes a fresh key prefix and deletes only keys under it.
 
 `RedisServer` is a private `redis-server` on a free port, for tests that stop, freeze
-and restart the server under the service (`stop`, `freeze`, `thaw`, `start`).
+and restart the server under the service (`stop`, `freeze`, `thaw`, `start`, `kill`);
+`persistent=True` keeps every write in an append-only file (fsynced per write) in its
+temp directory, which a start after `kill` loads again.
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ def delete_prefix(url: str, prefix: str) -> None:
 
 
 class RedisServer:
-    """A `redis-server` of our own on a free loopback port, keeping nothing on disk."""
+    """A `redis-server` of our own on a free loopback port, keeping nothing on disk unless
+    `persistent`."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, persistent: bool = False) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
@@ -66,9 +69,12 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._dir = tempfile.TemporaryDirectory(prefix="ecoscan-test-redis-")
         self._process: subprocess.Popen[bytes] | None = None
+        self._persistent = persistent
 
     def start(self) -> None:
         options = {"bind": "127.0.0.1", "port": str(self.port), "save": "", "appendonly": "no"}
+        if self._persistent:
+            options.update(appendonly="yes", appendfsync="always")
         argv = [self._binary, "--dir", self._dir.name]
         for name, value in options.items():
             argv += [f"--{name}", value]
@@ -89,6 +95,14 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait(timeout=START_TIMEOUT_S)
+            self._process = None
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, or a supervisor giving up on a hung server): nothing is saved
+        on the way out; a persistent server's next start loads what it had written."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(timeout=START_TIMEOUT_S)
             self._process = None
 
     def freeze(self) -> None:

@@ -23,9 +23,13 @@ from httpx_sse import aconnect_sse
 
 from app.db.embedded import EmbeddedPostgres
 from app.db.migrations import apply_migrations, bundled_migrations
+from app.db.pool import DB_ERRORS, create_pool, database_error, row_error
+from app.db.restarts import broken_connection
+from app.db.taxonomy import Classification, load_taxonomy
 from app.errors import DatabaseError
 from app.scans.store import ScanStore
 from app.sim.server import RunningSimulator
+from app.stages.rule import RuleBook
 
 from .conftest import (
     SCAN_URL,
@@ -41,6 +45,7 @@ from .conftest import (
 from .service_process import service_env, service_process
 
 PG_CTL_TIMEOUT_S = 60
+LOAD_PROGRESS_TIMEOUT_S = 60  # for a few scans to end under load, on a slow shared machine
 
 
 class ControlledPostgres:
@@ -56,8 +61,14 @@ class ControlledPostgres:
         await self._pg_ctl(["-w", "-m", "fast", "stop"])
 
     async def start(self) -> None:
-        options = ["-o", '-h ""', "-o", f"-k {self._socket_dir}", "-l", str(self.data_dir / "log")]
-        await self._pg_ctl(["-w", *options, "start"])
+        await self._pg_ctl(["-w", *self._options(), "start"])
+
+    async def restart(self) -> None:
+        """`pg_ctl restart -m fast`: every connection is cut, the server is back a moment later."""
+        await self._pg_ctl(["-w", "-m", "fast", *self._options(), "restart"])
+
+    def _options(self) -> list[str]:
+        return ["-o", '-h ""', "-o", f"-k {self._socket_dir}", "-l", str(self.data_dir / "log")]
 
     def freeze(self) -> None:
         """SIGSTOP the postmaster and every backend: a server that hangs, not one that
@@ -108,6 +119,11 @@ async def controlled_pg() -> AsyncIterator[ControlledPostgres]:
             await embedded.stop()
 
 
+RESTARTS = 3
+READ_TIMEOUT_S = 30.0  # DB_TIMEOUT_S of statements made while the server is down: its start fits
+PAPER = Classification("재활용폐기물", "종이", "신문지")
+
+
 class Load:
     """Scans in a loop from `workers` users until stopped; every outcome kept."""
 
@@ -116,6 +132,8 @@ class Load:
         self.streams: list[tuple[str, str, str | None]] = []  # (job_id, terminal event, code)
         self.rejected: list[tuple[int, str]] = []
         self.bad: list[str] = []
+        self.errors: list[dict[str, Any]] = []  # the `error` events' data
+        self.ended = asyncio.Condition()  # notified as each stream ends
         self._stop = asyncio.Event()
         self._tasks = [asyncio.create_task(self._worker(w)) for w in range(workers)]
 
@@ -148,6 +166,16 @@ class Load:
             return
         name, data = terminals[0]
         self.streams.append((data["job_id"], name, data.get("code")))
+        if name == "error":
+            self.errors.append(data)
+        async with self.ended:
+            self.ended.notify_all()
+
+    async def wait_for_streams(self, count: int) -> None:
+        """Until `count` more streams have ended (bounded: a stuck service fails the test)."""
+        target = len(self.streams) + count
+        async with asyncio.timeout(LOAD_PROGRESS_TIMEOUT_S), self.ended:
+            await self.ended.wait_for(lambda: len(self.streams) >= target)
 
 
 async def test_postgres_restart_under_load_leaves_no_row_running(
@@ -187,6 +215,44 @@ async def test_postgres_restart_under_load_leaves_no_row_running(
         expected = ("completed", None) if event == "done" else ("failed", code)
         assert rows[job_id] == expected, (job_id, event, code)
     assert any(event == "done" for _, event, _ in load.streams)
+
+
+@pytest.mark.timeout(240)
+async def test_postgres_restarts_under_load_fail_no_scan_a_retry_would_save(
+    controlled_pg: ControlledPostgres, sim: RunningSimulator
+) -> None:
+    """`pg_ctl restart -m fast` while scans run: pooled connections meet the shutdown
+    mid-query (asyncpg's InternalClientError, "connection was closed") and new ones meet
+    "the database system is starting up". No scan may end INTERNAL_ERROR, none may fail in
+    a read (the rule lookup) that a retry within DB_TIMEOUT_S carries across; only a write
+    the restart cut once sent (not safe to send twice) may fail or refuse a scan."""
+    await sim_configure(sim, time_scale=0.05)
+    settings = settings_for(
+        controlled_pg.dsn,
+        sim,
+        db_timeout_s=5.0,
+        scan_deadline_s=30.0,
+        db_pool_min=4,
+        rules_cache_ttl_s=0.0,  # every scan reads its rule from the database
+        log_level="ERROR",
+    )
+    async with running_service(settings) as svc:
+        load = Load(svc, workers=8)
+        for _ in range(RESTARTS):
+            await load.wait_for_streams(8)
+            await controlled_pg.restart()
+        await load.wait_for_streams(8)
+        await load.stop()
+
+        assert not load.bad, load.bad
+        assert not [e for e in load.errors if e.get("code") == "INTERNAL_ERROR"], load.errors
+        assert not [e for e in load.errors if e.get("step") == "rule"], load.errors
+        # Only writes the restart cut may fail; the refusals say to retry.
+        assert {e.get("code") for e in load.errors} <= {"DATABASE_ERROR"}, load.errors
+        assert {code for _, code in load.rejected} <= {"DATABASE_UNAVAILABLE"}, load.rejected
+        outcome = await run_scan(svc.client, json={"image_url": data_url(make_jpeg(78))})
+        assert outcome.terminal.event == "done", outcome.events[-1]
+    print(f"restarts={RESTARTS} streams={len(load.streams)} errors={load.errors} rejected={load.rejected}")
 
 
 async def test_readyz_answers_within_its_timeout_while_postgres_is_down(
@@ -276,6 +342,63 @@ async def test_a_running_row_committed_after_its_insert_timed_out_ends_failed(
     finally:
         await store.close(5.0)
         await pool.close()
+
+
+async def test_statements_started_while_postgres_is_down_succeed_once_it_is_back(
+    controlled_pg: ControlledPostgres,
+) -> None:
+    """A scan's result and its rule, read while the server is away (refused, then "starting
+    up"), and a new scan's row, written then, are done on a fresh connection once it is
+    back, within DB_TIMEOUT_S: the write was never sent, so sending it is safe."""
+    pool = await create_pool(controlled_pg.dsn, min_size=1, max_size=2, timeout_s=READ_TIMEOUT_S)
+    try:
+        async with pool.acquire() as conn:
+            await apply_migrations(conn, bundled_migrations())
+            taxonomy = await load_taxonomy(conn)
+        store = ScanStore(pool, instance_id=uuid.uuid4(), timeout_s=READ_TIMEOUT_S)
+        rules = RuleBook(pool, recyclable=taxonomy.recyclable, ttl_s=0.0, timeout_s=READ_TIMEOUT_S)
+        scan_id, later_id = uuid.uuid4(), uuid.uuid4()
+        await store.create(scan_id, user_id="u", image_source="data_url", image_sha256=None, user_input=None)
+        await controlled_pg.stop()
+        try:
+            done = asyncio.gather(
+                store.load(scan_id),
+                rules.find(PAPER),
+                store.create(
+                    later_id, user_id="u", image_source="data_url", image_sha256=None, user_input=None
+                ),
+            )
+            await asyncio.sleep(0.2)
+            assert not done.done(), "gave up while the server was away"
+        finally:
+            await controlled_pg.start()
+        stored, rule, _ = await done
+        assert stored is not None and stored.status == "running"
+        assert rule.matched_by == "exact"
+        assert (await _rows(controlled_pg))[str(later_id)] == ("running", None)
+        await store.close(5.0)
+    finally:
+        await pool.close()
+
+
+async def test_a_connection_broken_by_a_restart_is_a_retryable_database_error() -> None:
+    """asyncpg's InternalClientError derives from Exception alone: unlisted, a restart that
+    raised it reached the pipeline's catch-all (INTERNAL_ERROR, not retryable)."""
+    cut = asyncpg.exceptions.InternalClientError(
+        "cannot switch to state 12; another operation (2) is in progress"
+    )
+    assert isinstance(cut, DB_ERRORS) and broken_connection(cut)
+    error = database_error(cut)
+    assert isinstance(error, DatabaseError) and error.retryable and not row_error(error)
+    for blip in (
+        asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
+        asyncpg.CannotConnectNowError("the database system is starting up"),
+        asyncpg.InterfaceError("cannot perform operation: another operation is in progress"),
+        ConnectionRefusedError(111, "Connection refused"),
+    ):
+        assert isinstance(blip, DB_ERRORS) and broken_connection(blip), blip
+    for lasting in (TimeoutError(), asyncpg.UniqueViolationError("duplicate key"), asyncpg.DataError("bad")):
+        assert not broken_connection(lasting), lasting
 
 
 async def test_sigterm_while_postgres_hangs_still_exits(

@@ -33,6 +33,7 @@ from app.errors import (
     ClientDisconnected,
     DatabaseUnavailable,
     EcoscanError,
+    FollowerLimit,
     InternalError,
     NotFound,
     Overloaded,
@@ -203,7 +204,7 @@ async def test_scan_errors_come_from_the_error_tree(service: Service) -> None:
     # Every client mistake and admission refusal the scan endpoint can answer with: all
     # but a 499 and the refusals of reading / cancelling a scan (a POST repeating an
     # earlier one with its Idempotency-Key can meet SCAN_RUNNING_ELSEWHERE).
-    resource_only = (ScanNotFound, ScanConflict, ScanAlreadyFinished, ScanEventsGone)
+    resource_only = (ScanNotFound, ScanConflict, ScanAlreadyFinished, ScanEventsGone, FollowerLimit)
     refusals = [
         cls
         for base in (RequestRejected, Overloaded)

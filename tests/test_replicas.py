@@ -13,6 +13,7 @@ import pytest
 from app.sim.server import RunningSimulator
 from tests.conftest import (
     SCAN_URL,
+    Service,
     data_url,
     eventually,
     make_jpeg,
@@ -90,7 +91,9 @@ async def test_redis_away_never_stops_a_replica(
         assert outcome.terminal.event == "done"
 
 
-async def burst_admissions(replicas: list[ServiceProcess], user: str, per_replica: int) -> list[int]:
+async def burst_admissions(
+    replicas: list[ServiceProcess] | list[Service], user: str, per_replica: int
+) -> list[int]:
     """Start `per_replica` scans for one user on each replica at once and return their
     statuses. Accepted scans are held open (the simulator stalls them) until every answer
     is in, so the number accepted is the number running at once."""

@@ -20,10 +20,14 @@ if TYPE_CHECKING:
     DbConn = asyncpg.Connection[asyncpg.Record] | PoolConnectionProxy[asyncpg.Record]
 
 # Errors that mean "the database did not do it", as opposed to our own bugs
-# (TimeoutError, from a bounded acquire or query, is an OSError).
+# (TimeoutError, from a bounded acquire or query, is an OSError). asyncpg's
+# InternalClientError derives from Exception alone, yet a restart raises it: a pooled
+# connection that received the server's shutdown as a query began ("cannot switch to
+# state 12; another operation (2) is in progress").
 DB_ERRORS: tuple[type[Exception], ...] = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
     OSError,
 )
 
@@ -45,7 +49,9 @@ def row_error(exc: Exception) -> bool:
     its data, or our code failed on it), rather than the database being away: no
     connection, a timeout, the server shutting down (SQLSTATE classes 08 and 57)?"""
     cause = exc.__cause__ if isinstance(exc, DatabaseError) else exc
-    if isinstance(cause, OSError | asyncpg.InterfaceError | DrainCancelled):
+    if isinstance(
+        cause, OSError | asyncpg.InterfaceError | asyncpg.exceptions.InternalClientError | DrainCancelled
+    ):
         return False
     return str(getattr(cause, "sqlstate", "") or "")[:2] not in ("08", "57")
 

@@ -167,7 +167,7 @@ def _after(request: Request) -> int:
 async def _reader(r: Resources, request: Request) -> Reader:
     caller = await r.identity.caller(request)
     token = request.query_params.get("token") or request.headers.get("x-scan-token")
-    return Reader(caller.user_id, token)
+    return Reader(caller.user_id, token, caller.rate_key)
 
 
 @router.get(

@@ -139,7 +139,8 @@ class Metrics:
         self.stream_follows = Counter(
             "ecoscan_scan_stream_follows_total",
             "Event requests for scans running on another replica, by outcome: served (from "
-            "Redis), refused (409: no usable stream, or Redis failed), cut (Redis failed mid-stream).",
+            "Redis), refused (409: no usable stream, or Redis failed), cut (Redis failed mid-stream), "
+            "limited (429/503: the user's, the scan's or the process's followers at their cap).",
             ["outcome"],
             registry=r,
         )
@@ -370,6 +371,16 @@ class Metrics:
         self.user_caps_redis_errors = Counter(
             "ecoscan_user_caps_redis_errors_total",
             "Per-user cap checks that fell back to this process's count because Redis failed.",
+            registry=r,
+        )
+        self.user_caps_unreleased = Gauge(
+            "ecoscan_user_caps_unreleased_slots",
+            "Per-user slots whose removal from Redis failed, removed when Redis answers again.",
+            registry=r,
+        )
+        self.user_quota_redis_errors = Counter(
+            "ecoscan_user_quota_redis_errors_total",
+            "Per-user rate and quota reservations counted by this process alone because Redis failed.",
             registry=r,
         )
         self.breaker_redis_errors = Counter(

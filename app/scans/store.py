@@ -26,14 +26,18 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import orjson
 
 from app.db.batch import GroupCommit
 from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX, database_error, row_error
+from app.db.restarts import read, write
 from app.errors import DatabaseError, DatabaseUnavailable, ProcessLost, retryable_scan_codes
+
+if TYPE_CHECKING:
+    from app.db.pool import DbConn
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +320,7 @@ class ScanStore:
         """The scan `claim`'s key already names, if any (expiring it first if `ttl_s`)."""
         if ttl_s is not None:
             await self._execute(_EXPIRE_KEY, claim.scope, claim.key, ttl_s)
-        rows = await self._fetch(_FIND_KEY, claim.scope, claim.key)
+        rows = await self._read(_FIND_KEY, claim.scope, claim.key)
         return KeyTaken(*rows[0].values()) if rows else None
 
     async def _retry(self, retry_of: uuid.UUID, claim: IdempotencyClaim, args: tuple[Any, ...]) -> None:
@@ -328,7 +332,7 @@ class ScanStore:
             raise DatabaseError() from exc
 
     async def load(self, scan_id: uuid.UUID) -> StoredScan | None:
-        rows = await self._fetch(_LOAD, scan_id)
+        rows = await self._read(_LOAD, scan_id)
         return StoredScan(**dict(rows[0])) if rows else None
 
     async def purge(self, *, older_than_days: float, batch: int) -> int:
@@ -372,7 +376,7 @@ class ScanStore:
 
     async def runs_any(self, instance: uuid.UUID) -> bool:
         """Whether `instance` still has a `running` row."""
-        rows = await self._fetch(_RUNS_ANY, instance)
+        rows = await self._read(_RUNS_ANY, instance)
         return bool(rows[0][0])
 
     async def close(self, timeout_s: float) -> None:
@@ -424,17 +428,26 @@ class ScanStore:
         }
         return [scan_id in found for scan_id, _ in rows]
 
+    # Across a database restart (app/db/restarts.py), a read is sent again on a fresh
+    # connection, a write only if it was never sent; `DatabaseError` when it cannot be done.
     async def _execute(self, query: str, *args: Any) -> str:
-        try:
-            async with self._pool.acquire(timeout=self._timeout_s) as conn:
-                status: str = await conn.execute(query, *args, timeout=self._timeout_s)
-                return status
-        except DB_ERRORS as exc:
-            raise DatabaseError() from exc
+        async def statement(conn: DbConn) -> str:
+            status: str = await conn.execute(query, *args, timeout=self._timeout_s)
+            return status
+
+        return await write(self._pool, statement, timeout_s=self._timeout_s)
+
+    async def _read(self, query: str, *args: Any) -> list[asyncpg.Record]:
+        return await read(
+            self._pool,
+            lambda conn: conn.fetch(query, *args, timeout=self._timeout_s),
+            timeout_s=self._timeout_s,
+        )
 
     async def _fetch(self, query: str, *args: Any) -> list[asyncpg.Record]:
-        try:
-            async with self._pool.acquire(timeout=self._timeout_s) as conn:
-                return await conn.fetch(query, *args, timeout=self._timeout_s)
-        except DB_ERRORS as exc:
-            raise DatabaseError() from exc
+        """A statement that writes and returns rows."""
+        return await write(
+            self._pool,
+            lambda conn: conn.fetch(query, *args, timeout=self._timeout_s),
+            timeout_s=self._timeout_s,
+        )

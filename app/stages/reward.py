@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from app.db.batch import GroupCommit
-from app.db.pool import DB_ERRORS, database_error, row_error
+from app.db.pool import database_error, row_error
+from app.db.restarts import write
 from app.db.taxonomy import Classification
-from app.errors import DatabaseError
 from app.stages.answer import Answer, AnswerResult
 from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext
@@ -137,13 +137,13 @@ class RewardStage:
 
     async def _record_many(self, rows: Sequence[tuple[str, str, uuid.UUID]]) -> list[bool]:
         """Whether each (user, character, scan) was the one to give the user the character."""
-        try:
-            async with self._pool.acquire(timeout=self.timeout_s) as conn:
-                recorded = await conn.fetch(
-                    _RECORD_MANY, *map(list, zip(*rows, strict=True)), timeout=self.timeout_s
-                )
-        except DB_ERRORS as exc:
-            raise DatabaseError() from exc
+        columns = [list(c) for c in zip(*rows, strict=True)]
+        # Sent again only if it never was (app/db/restarts.py): a lost reply may have committed.
+        recorded = await write(
+            self._pool,
+            lambda conn: conn.fetch(_RECORD_MANY, *columns, timeout=self.timeout_s),
+            timeout_s=self.timeout_s,
+        )
         new = {(r["user_id"], r["character_code"]) for r in recorded}
         received = []
         for user_id, code, _ in rows:

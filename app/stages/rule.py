@@ -25,18 +25,20 @@ import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.db.pool import DB_ERRORS
+from app.db.restarts import read
 from app.db.taxonomy import Classification
-from app.errors import DatabaseError
 from app.limits.clock import Clock, MonotonicClock
 from app.stages.base import StageEnv, StageResult
 from app.stages.context import ScanContext
 from app.stages.vision import VisionResult
+
+if TYPE_CHECKING:
+    from app.db.pool import DbConn
 
 log = logging.getLogger(__name__)
 
@@ -270,10 +272,7 @@ class RuleBook:
         return self._ttl_s if self.listening else min(self._ttl_s, LISTENER_DOWN_TTL_S)
 
     async def run(self, ctx: ScanContext) -> RuleResult:
-        try:
-            match = await self.find(ctx.result(VisionResult).classification)
-        except DB_ERRORS as exc:
-            raise DatabaseError() from exc
+        match = await self.find(ctx.result(VisionResult).classification)  # DatabaseError if it fails
         return match.result
 
     async def find(self, c: Classification) -> RuleMatch:
@@ -292,19 +291,22 @@ class RuleBook:
         return match
 
     async def _lookup(self, c: Classification) -> RuleMatch:
+        """Ridden across a database restart (app/db/restarts.py); `DatabaseError` if not."""
+        return await read(self._pool, functools.partial(self._query, c), timeout_s=self.timeout_s)
+
+    async def _query(self, c: Classification, conn: DbConn) -> RuleMatch:
         middle = c.middle if c.major in self._recyclable else None
-        async with self._pool.acquire() as conn:
-            row = await conn.fetchrow(_EXACT, c.major, middle)
+        row = await conn.fetchrow(_EXACT, c.major, middle)
+        if row is not None:
+            return _match(row, "exact")
+        if c.minor:
+            row = await conn.fetchrow(_BY_MINOR, c.minor, c.major)
             if row is not None:
-                return _match(row, "exact")
-            if c.minor:
-                row = await conn.fetchrow(_BY_MINOR, c.minor, c.major)
-                if row is not None:
-                    return _match(row, "minor")
-            if middle is not None:
-                row = await conn.fetchrow(_EXACT, c.major, None)
-                if row is not None:
-                    return _match(row, "major")
+                return _match(row, "minor")
+        if middle is not None:
+            row = await conn.fetchrow(_EXACT, c.major, None)
+            if row is not None:
+                return _match(row, "major")
         where = f"{c.major} > {c.middle}" if c.middle else c.major
         return RuleMatch(None, None, None, reason=f"'{where}'에 대한 배출 규칙이 등록되어 있지 않습니다.")
 

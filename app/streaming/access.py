@@ -56,6 +56,8 @@ class Reader:
 
     user_id: str | None
     token: str | None = None
+    # Whose share of the followers of other replicas' scans a follow takes (app/scans/followers.py).
+    rate_key: str = ""
 
 
 class ScanAccess:
@@ -104,7 +106,9 @@ class ScanAccess:
         if stored.event_log is None:
             if stored.status != "running":
                 raise ScanEventsGone()
-            return await self._follow_elsewhere(scan_id, after, headers)
+            return await self._follow_elsewhere(
+                scan_id, after, headers, follower=reader.rate_key if reader else ""
+            )
         log = EventLog.from_json(stored.event_log)
         if _past_the_end(log, after):
             return Response(status_code=204, headers=headers)
@@ -113,13 +117,13 @@ class ScanAccess:
         )
 
     async def _follow_elsewhere(
-        self, scan_id: uuid.UUID, after: int, headers: dict[str, str] | None
+        self, scan_id: uuid.UUID, after: int, headers: dict[str, str] | None, *, follower: str
     ) -> Response:
         """A scan another replica runs, from the Redis Stream it mirrors its events to."""
         if self._streams is None:
             raise ScanRunningElsewhere()
         ended_after = functools.partial(self._ended_after, scan_id)
-        entries = await self._streams.follow(scan_id, after, ended_after=ended_after)
+        entries = await self._streams.follow(scan_id, after, ended_after=ended_after, follower=follower)
         if entries is None:
             return Response(status_code=204, headers=headers)
         return followed_response(str(scan_id), entries, self._metrics, ping_s=self._ping_s, headers=headers)

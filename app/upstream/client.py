@@ -565,7 +565,10 @@ class Upstream:
             return AttemptFailed(UpstreamError(), retry=True, reason=status_class, wait_s=wait_s)
         message = (info.message or content.decode("utf-8", "replace"))[:MAX_ERROR_BODY_CHARS]
         if status in OUT_STATUSES:
-            route.breaker.take_out(now, f"{status}: {message}", OUT_RETRY_S)
+            # The provider's words go to the log only: the breaker's reason is shown by
+            # /readyz and shared through Redis, so it is a code (`refused 401`).
+            log.error("upstream %s refused the %s call with %d: %s", route.name, call.stage, status, message)
+            route.breaker.take_out(now, f"refused {status}", OUT_RETRY_S)
             # Another deployment may take the call; with none left, the scan ends here.
             return AttemptFailed(UpstreamRejected(REJECTED_KEY_MESSAGE), retry=True, reason=status_class)
         parameter = provider.refused_parameter(status, info)

@@ -12,6 +12,8 @@ from app.errors import (
     ClientDisconnected,
     DatabaseUnavailable,
     EcoscanError,
+    FollowerLimit,
+    GatewaySecretInvalid,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -38,7 +40,15 @@ from app.errors import (
 # one with its `Idempotency-Key` can only meet `SCAN_RUNNING_ELSEWHERE`). Derived, so
 # that a refusal added to the tree is documented with it.
 _NOT_SCAN_REFUSALS: frozenset[type[EcoscanError]] = frozenset(
-    {ClientDisconnected, NotFound, ScanNotFound, ScanConflict, ScanAlreadyFinished, ScanEventsGone}
+    {
+        ClientDisconnected,
+        NotFound,
+        ScanNotFound,
+        ScanConflict,
+        ScanAlreadyFinished,
+        ScanEventsGone,
+        FollowerLimit,
+    }
 )
 
 
@@ -63,12 +73,14 @@ def scan_refusals() -> list[type[EcoscanError]]:
 
 # What the identity layer (app/intake/identity.py) refuses with, wherever it is asked who calls:
 # a malformed X-User-ID (gateway mode), no identity where one is required, a bad or
-# expired bearer token (jwt mode), and the JWKS keys unavailable (AUTH_JWKS_URL).
+# expired bearer token (jwt mode), the JWKS keys unavailable (AUTH_JWKS_URL), and an
+# X-User-ID without the gateway's secret (AUTH_GATEWAY_SECRET).
 IDENTITY_REFUSALS: list[type[EcoscanError]] = [
     InvalidRequest,
     Unauthorized,
     TokenInvalid,
     TokenExpired,
+    GatewaySecretInvalid,
     ServerBusy,
 ]
 
@@ -81,6 +93,7 @@ SCAN_EVENTS_ERRORS: list[type[EcoscanError]] = [
     ScanNotFound,
     ScanRunningElsewhere,
     ScanEventsGone,
+    FollowerLimit,
     *IDENTITY_REFUSALS,
     *_READ_FAILURES,
 ]
