@@ -153,7 +153,6 @@ class ChargeLearner:
         self._counted: Counted = (0.0, 0.0)
         self._last_429 = -math.inf
         self._relaxed_at = -math.inf
-        self.intervals = 0  # intervals read: what the learning rests on
 
     def ratio(self, kind: str) -> float:
         return self._ratios[_index(kind)]
@@ -205,7 +204,6 @@ class ChargeLearner:
             return  # counted out of order (concurrent sends of ours): nothing to read
         level = min(float(limit), first.remaining + rate * max(0.0, two.at - one.at))
         self._fit.add(x, level - second.remaining)
-        self.intervals += 1
         fitted = self._fit.solve((self._ratios[0], self._ratios[1]))
         for i in range(2):
             if self._fit.samples[i] >= MIN_SAMPLES:
