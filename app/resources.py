@@ -33,6 +33,7 @@ from app.intake.identity import Authenticator
 from app.intake.parsing import InputLimits
 from app.limits.adaptive import AdaptiveLimit
 from app.limits.admission import Admission
+from app.limits.charge_learning import KINDS, ChargeLearner
 from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
 from app.limits.rate_budget import RateBudget
@@ -323,6 +324,9 @@ async def _upstream(
             key = d.budget_key(model)
             if key not in budgets:
                 budgets[key] = _budget(settings, key, (d.rpm, d.tpm), redis, metrics, clock, stack)
+                budgets[key].charges = ChargeLearner(
+                    settings.charge_learning_config(), headers=provider.rate_headers
+                )
             if (d.name, model) not in endpoints:
                 endpoint = ChatEndpoint.open(
                     provider.chat_url(d, model),
@@ -700,6 +704,10 @@ def _bind_gauges(
         metrics.budget_waiters.labels(model).set_function(_reader(budget, "waiting"))
         metrics.budget_limit.labels(model, "requests").set_function(_reader(budget, "effective_rpm"))
         metrics.budget_limit.labels(model, "tokens").set_function(_reader(budget, "effective_tpm"))
+        for kind in KINDS:
+            metrics.upstream_charge_ratio.labels(model, kind).set_function(
+                functools.partial(budget.charges.ratio, kind)
+            )
     for stage, gate in gates.items():
         metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
     for route in upstream.routes:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from app.limits.charge_learning import ChargeLearning
 from app.limits.sizing import LimitSpec
 from app.runtime.redaction import redact_url
 from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
@@ -93,6 +94,12 @@ class Settings:
     retry_max_attempts: int = 4
     retry_base_delay_s: float = 0.25
     retry_max_delay_s: float = 8.0
+    # What each provider's limiter charges, learned from its replies (app/limits/charge_learning.py).
+    charge_learning: bool = True
+    charge_ratio_min: float = 0.25
+    charge_ratio_max: float = 4.0
+    charge_step: float = 0.15
+    charge_margin: float = 0.02
 
     # --- upstream health: negotiation in one flight, probes (app/upstream/negotiation.py, probes.py)
     # How long a call waits for the one call finding out whether its deployment takes a
@@ -216,6 +223,7 @@ class Settings:
             raise SettingsError("UPSTREAM_PROBE_MAX_S must be at least UPSTREAM_OPEN_S")
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
+        self._check_charges()
         self._check_models()
         self._check_redis()
         self._check_identity()
@@ -224,6 +232,16 @@ class Settings:
             # A base URL without a key would silently fall back to the simulator.
             raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
 
+    def charge_learning_config(self) -> ChargeLearning:
+        """The `CHARGE_*` settings as every budget's learner takes them."""
+        return ChargeLearning(
+            self.charge_learning,
+            self.charge_ratio_min,
+            self.charge_ratio_max,
+            self.charge_step,
+            self.charge_margin,
+        )
+
     def limit(self, name: str) -> LimitSpec:
         """One of the `SIZED_LIMITS` as set: sized (`auto`, `auto:N`) or fixed."""
         value = getattr(self, name)
@@ -231,6 +249,16 @@ class Settings:
             return LimitSpec.parse(env_name(name), str(value), minimum=0 if name in _MAY_BE_ZERO else 1)
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
+
+    def _check_charges(self) -> None:
+        if not 0 < self.charge_ratio_min <= 1:
+            raise SettingsError(f"CHARGE_RATIO_MIN must be in (0, 1], got {self.charge_ratio_min}")
+        if self.charge_ratio_max < 1:
+            raise SettingsError(f"CHARGE_RATIO_MAX must be >= 1, got {self.charge_ratio_max}")
+        if not 0 < self.charge_step <= 1:
+            raise SettingsError(f"CHARGE_STEP must be in (0, 1], got {self.charge_step}")
+        if not 0 <= self.charge_margin < 1:
+            raise SettingsError(f"CHARGE_MARGIN must be in [0, 1), got {self.charge_margin}")
 
     def _check_identity(self) -> None:
         """AUTH_*: one mode, one key source, and nothing set that the mode ignores."""
@@ -410,6 +438,7 @@ _MAY_BE_ZERO = {
     "answer_cache_ttl_s",
     "disconnect_grace_s",
     "gc_young_threshold",
+    "charge_margin",
     "user_scan_rate_per_min",
     "user_daily_scan_quota",
 }

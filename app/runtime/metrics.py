@@ -205,6 +205,20 @@ class Metrics:
             ["model", "type"],
             registry=r,
         )
+        # What the provider's limiter charges against our estimate (app/limits/charge_learning.py).
+        self.upstream_charge = Histogram(
+            "ecoscan_upstream_charge_tokens",
+            "Tokens one call reserved as its provider's limiter counts them: estimate x learned ratio.",
+            ["model", "kind"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.upstream_charge_ratio = Gauge(
+            "ecoscan_upstream_charge_ratio",
+            "Learned ratio of what the limiter charges to what we estimate, per budget and call kind.",
+            ["budget", "kind"],
+            registry=r,
+        )
         self.ratelimit_remaining = Gauge(
             "ecoscan_upstream_ratelimit_remaining",
             "Last x-ratelimit-remaining-* seen, by resource (requests, tokens).",
@@ -371,7 +385,8 @@ class Metrics:
         )
         self.budget_redis_calls = Counter(
             "ecoscan_budget_redis_calls_total",
-            "Lease calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, error.",
+            "Budget calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, "
+            "sent (a call counted), error.",
             ["model", "op"],
             registry=r,
         )

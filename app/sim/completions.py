@@ -101,7 +101,7 @@ class ChatCompletions:
             stats.rate_limited_total += 1
             headers += limiter.headers(key)
             return flavor.forced_rate_limit(request, route, config, config.reject_retry_after_ms / 1000)
-        cost = flavor.charge(request)
+        cost = flavor.charge(request, config)
         denial, limit_headers = limiter.acquire(key, cost)
         headers += limit_headers
         if denial is not None:

@@ -48,6 +48,12 @@ class SimConfig:
     # full limit, but the remaining budget shrinks (what "a shared key" looks like).
     shared_rpm: int = 0
     shared_tpm: int = 0
+    # How the TPM limiter counts a request, against the formula the flavour documents (its
+    # own estimator is not our tokenizer: Flavor.charge): every Hangul syllable of the
+    # prompt counts `charge_hangul` tokens instead of one, and the total is multiplied by
+    # `charge_factor` (0.6: the limiter charges 40 % less than the documented formula).
+    charge_factor: float = 1.0
+    charge_hangul: float = 1.0
     text_tokens: int = 60
     error_rate: float = 0.0
     error_status: int = 500
@@ -105,6 +111,9 @@ class SimConfig:
         _at_least("shared_rpm", self.shared_rpm, 0)
         _at_least("shared_tpm", self.shared_tpm, 0)
         _at_least("text_tokens", self.text_tokens, 1)
+        if self.charge_factor <= 0:
+            raise ValueError(f"charge_factor must be > 0, got {self.charge_factor}")
+        _at_least("charge_hangul", self.charge_hangul, 0.0)
         _fraction("error_rate", self.error_rate)
         if not 500 <= self.error_status <= 599:
             raise ValueError(f"error_status must be a 5xx status, got {self.error_status}")

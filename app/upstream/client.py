@@ -261,7 +261,7 @@ class Upstream:
         hedge_result = ChatResult()  # its own: it must not touch what the first attempt reads
 
         def hedge() -> Awaitable[None] | None:
-            spare = self.router.spare(route, lambda r: r.limiter_tokens(r.estimate(request)))
+            spare = self.router.spare(route, lambda r: r.limiter_tokens(r.estimate(request), request.kind))
             outcome = "no_route" if spare is None else "sent"
             if spare is not None and not policy.budget.take(self._clock.now()):
                 spare, outcome = None, "no_budget"
@@ -316,7 +316,7 @@ class Upstream:
             try:
                 return self.router.pick(
                     request.stage,
-                    lambda r: r.limiter_tokens(r.estimate(request)),
+                    lambda r: r.limiter_tokens(r.estimate(request), request.kind),
                     avoid=failed_on,
                     within_s=until() - self._clock.now(),
                 )
@@ -366,7 +366,10 @@ class Upstream:
             self._give_up(request, failed, failures)
         try:
             following = self.router.pick(
-                request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on, within_s=left
+                request.stage,
+                lambda r: r.limiter_tokens(r.estimate(request), request.kind),
+                avoid=failed_on,
+                within_s=left,
             )
         except NoRoute as none:
             if none.returning:  # every one down, some coming back: the caller waits for it
@@ -508,6 +511,8 @@ class Upstream:
         sent_version = route.negotiation.version
         built = request_body(call, stream=read_stream is not None)
         body = route.adapt(built)
+        # Numbered as sent: its reply's headers then say what the limiter charged it.
+        reservation.sent = await route.budget.sent(call.kind, call.limiter_estimate)
         try:
             response, content = await self._reply(route, orjson.dumps(body), whole=read_stream is None)
             watch: StallWatch | None = None
@@ -518,7 +523,7 @@ class Upstream:
                     )
                 if not route.negotiation.settled:  # what it carried is taken: waiting calls go
                     route.negotiation.accept(route.sent_names(built))
-                self._observe(route, call, response, "2xx")
+                self._observe(route, call, response, "2xx", reservation)
                 if read_stream is None:
                     usage = read_completion(content, result)
                 else:
@@ -587,7 +592,8 @@ class Upstream:
         """The budget spends what the provider's limiter counted (nothing back, for OpenAI
         and Azure); what the call really used is counted apart, in the token metrics."""
         result.prompt_tokens, result.completion_tokens, result.reasoning_tokens, result.cached_tokens = usage
-        reservation.settle(route.provider.limiter_settles(reservation.tokens, usage[0], usage[1]))
+        reservation.settle(route.settled_tokens(call, reservation.tokens, usage[0], usage[1]))
+        self._metrics.upstream_charge.labels(call.model, call.kind).observe(reservation.tokens)
         tokens = self._metrics.upstream_tokens
         tokens.labels(call.model, "prompt").inc(usage[0])
         tokens.labels(call.model, "completion").inc(usage[1])
@@ -631,10 +637,11 @@ class Upstream:
         wait_s = provider.wait_hint(response.headers, info)
         now = self._clock.now()
         if status == 429:
-            self._observe(route, call, response, "429")
+            self._observe(route, call, response, "429", reservation)
             self._metrics.upstream_429.labels(call.model, str(info.code or info.kind or "unknown")).inc()
             # A 429 is not counted by the upstream: give the reservation back.
             reservation.settle(None)
+            route.budget.charge_refused(call.kind, reservation.tokens, wait_s, info.limit)
             if info.code == "insufficient_quota":
                 route.breaker.take_out(now, QUOTA_REASON, QUOTA_COOLDOWN_S)
                 return AttemptFailed(UpstreamQuotaExhausted(), retry=True, reason=QUOTA_REASON)
@@ -642,7 +649,7 @@ class Upstream:
             route.breaker.failed(now, "429", wait_s, sent_at=sent_at)
             return AttemptFailed(UpstreamRateLimited(), retry=True, reason="429", wait_s=wait_s)
         status_class = f"{status // 100}xx"
-        self._observe(route, call, response, status_class)
+        self._observe(route, call, response, status_class, reservation)
         if status >= 500 or status in (408, 409):
             route.breaker.failed(now, status_class, wait_s, sent_at=sent_at)
             return AttemptFailed(UpstreamError(), retry=True, reason=status_class, wait_s=wait_s)
@@ -664,12 +671,19 @@ class Upstream:
         log.error("upstream %s rejected %s call with %d: %s", route.name, call.stage, status, message)
         return AttemptFailed(UpstreamRejected(), retry=False, reason=status_class)
 
-    def _observe(self, route: Route, call: ChatCall, response: aiohttp.ClientResponse, status: str) -> None:
+    def _observe(
+        self,
+        route: Route,
+        call: ChatCall,
+        response: aiohttp.ClientResponse,
+        status: str,
+        reservation: Reservation,
+    ) -> None:
         self._count(call, status)
         if not route.provider.rate_headers:
             return
         limits = ratelimit_headers(response.raw_headers)
-        route.budget.observe_headers(limits)
+        route.budget.observe_headers(limits, sent=reservation.sent, charged=status != "429")
         for resource in ("requests", "tokens"):
             raw = limits.get(f"x-ratelimit-remaining-{resource}")
             if raw is not None and raw.isdigit():

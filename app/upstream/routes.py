@@ -78,12 +78,29 @@ class Route:
             request.extra_prompt_tokens
         )
 
-    def limiter_tokens(self, prompt_estimate: int) -> int:
-        """What this deployment's limiter counts for a call of `prompt_estimate` tokens."""
+    def limiter_tokens(self, prompt_estimate: int, kind: str) -> int:
+        """What this deployment's limiter counts for a `kind` call of `prompt_estimate`
+        tokens: its provider's formula, times what its budget learned the limiter really
+        charges (app/limits/charge_learning.py)."""
+        return self.budget.charges.charge(kind, self.limiter_formula(prompt_estimate))
+
+    def limiter_formula(self, prompt_estimate: int) -> int:
+        """The same by its provider's formula alone (today's estimate)."""
         return self.provider.limiter_tokens(prompt_estimate, self.shape.completion_cap)
+
+    def settled_tokens(
+        self, call: ChatCall, reserved: int, prompt_tokens: int, completion_tokens: int
+    ) -> int:
+        """What the limiter counted in the end: as reserved, or (a provider that counts the
+        usage) the usage, scaled as learned like the reservation was."""
+        counted = self.provider.limiter_settles(reserved, prompt_tokens, completion_tokens)
+        if counted == reserved:
+            return reserved
+        return self.budget.charges.charge(call.kind, counted)
 
     def shaped(self, request: ChatRequest) -> ChatCall:
         estimate = self.estimate(request)
+        kind = request.kind
         safety_id = request.safety_identifier
         if "safety_identifier" in self.provider.unsupported_fields:
             safety_id = None
@@ -95,7 +112,9 @@ class Route:
             response_format=self._format(request.response_format),
             safety_identifier=safety_id,
             upstream=self.name,
-            reservation_tokens=self.limiter_tokens(estimate),
+            reservation_tokens=self.limiter_tokens(estimate, kind),
+            limiter_estimate=self.limiter_formula(estimate),
+            kind=kind,
         )
 
     def adapt(self, body: dict[str, Any]) -> dict[str, Any]:
