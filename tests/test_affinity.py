@@ -62,7 +62,7 @@ def test_only_the_first_1024_tokens_of_a_long_text_make_the_key() -> None:
     assert prefix_key(early) != prefix_key(one)
 
 
-def test_the_memory_is_bounded_and_forgets_what_the_provider_cache_has() -> None:
+async def test_the_memory_is_bounded_and_forgets_what_the_provider_cache_has() -> None:
     clock = FakeClock()
     affinity = PrefixAffinity(max_prefixes=3, clock=clock.now)
     for key in range(5):
@@ -71,7 +71,7 @@ def test_the_memory_is_bounded_and_forgets_what_the_provider_cache_has() -> None
     assert affinity.home("vision", 0) is None  # the least recently sent went first
     assert affinity.home("vision", 4) == "org-b"
     assert affinity.home("answer", 4) is None  # per stage
-    clock._now += PREFIX_MEMORY_S
+    await clock.advance(PREFIX_MEMORY_S)
     assert affinity.home("vision", 4) is None
 
 

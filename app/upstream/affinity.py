@@ -41,7 +41,7 @@ def prefix_key(request: ChatRequest) -> int | None:
     parts: list[object] = []
     left = CACHED_PREFIX_TOKENS
     if request.response_format is not None:
-        schema = json.dumps(request.response_format, sort_keys=True)
+        schema = json.dumps(request.response_format, ensure_ascii=False)  # as the stages price it
         parts.append(_text_prefix(schema, left))
         left -= estimate_text_tokens(schema)
     for message in request.messages:

@@ -12,11 +12,11 @@ concurrency limit (app/limits/route_limits.py; all of them when none has room, o
 with room can admit it in time), ties broken by the smallest share of its limit in use
 once the call is counted (weighted least connections: each route's share of the calls
 follows its limit);
-routes that already failed this call only when nothing else is left. Among those with
-room that admit it as soon, the one its prompt's cacheable prefix went to last
-(app/upstream/affinity.py): the provider's prompt cache is kept per organisation. A route's limit
-does not pass a priority over: a standby takes the calls a primary's budget or breaker
-cannot, not those past the primary's limit (the stage gate bounds those).
+routes that already failed this call only when nothing else is left. The route with room
+that the call's cacheable prompt prefix went to last takes it instead of the one chosen
+so, when it admits it as soon (app/upstream/affinity.py: a prompt cache is kept per
+organisation). A route's limit does not pass a priority over: a standby takes the calls
+a primary's budget or breaker cannot, not those past the primary's limit (the stage gate bounds those).
 `Router.predicted_wait`, what admission asks, spends the routes' capacity in the same
 order.
 """
