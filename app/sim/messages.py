@@ -32,6 +32,7 @@ class Prompt:
     text: str = ""
     schema_key: bytes = b""
     prefixes: tuple[bytes, ...] = ()  # see app/sim/prompt_cache.py; empty under MIN_TOKENS
+    image_key: bytes = b""  # a digest of the images alone: what a photo shows, whatever is asked
 
 
 def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: bool = True) -> Prompt:
@@ -47,6 +48,7 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "expected a non-empty array")
     hasher = hashlib.sha256()
+    image_hasher = hashlib.sha256()
     tokens = REPLY_PRIMING
     has_image = mentions_json = False
     user_text = ""
@@ -72,6 +74,7 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
                 )
             has_image = True
             hasher.update(b"\x00image\x00" + text.encode())
+            image_hasher.update(text.encode())
             parts.append(Part(image_tokens(text, detail, family.images), label=f"{detail} {text}"))
             tokens += parts[-1].tokens
         if role == "user":
@@ -89,7 +92,10 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
         tokens += parts[0].tokens
     parts.append(Part(REPLY_PRIMING, label="assistant priming"))
     prefixes = prefix_digests(parts) if tokens >= MIN_TOKENS else ()
-    return Prompt(tokens, has_image, format_type, schema, hasher.digest(), user_text, schema_key, prefixes)
+    image_key = image_hasher.digest() if has_image else b""
+    return Prompt(
+        tokens, has_image, format_type, schema, hasher.digest(), user_text, schema_key, prefixes, image_key
+    )
 
 
 def _role(message: Any, where: str) -> str:
