@@ -3,21 +3,30 @@ each ruled, one streamed answer, `done` keeping the main item's single-item fiel
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
 from typing import Any
 
 import asyncpg
 import pytest
+from httpx_sse import aconnect_sse
 
 from app.db.taxonomy import load_taxonomy
 from app.errors import UpstreamBadResponse
+from app.intake.parsing import parse_scan_body
+from app.resources import Resources, lifespan_resources
+from app.runtime.metrics import Metrics
+from app.scans.events import EventLog, LogEntry
 from app.sim.config import SimConfig
 from app.sim.gemini import schema_violations
 from app.sim.server import RunningSimulator, run_simulator
+from app.stages.context import AcceptedScan
 from app.stages.items import FoundItems, clamped_box, items_schema, parse_items
 from app.upstream.negotiation import without_keywords
 from app.upstream.providers.gemini import Gemini
 
-from .conftest import Service, data_url, make_jpeg, run_scan, running_service, settings_for, sim_stats
+from .conftest import Event, Service, data_url, make_jpeg, run_scan, running_service, settings_for, sim_stats
 from .test_routing import routed_service
 from .test_structured_output_schemas import strict_schema_problems
 
@@ -241,3 +250,64 @@ async def test_every_provider_flavour_accepts_the_items_schema(
     assert outcome.terminal.event == "done", outcome.terminal
     assert outcome.of("items")[0].data["count"] == 3 and len(outcome.of("item_rule")) == 3
     assert stats["requests_total"] == 2  # one vision call, one answer call: nothing refused, no retry
+
+
+async def test_a_resumed_stream_replays_each_item_event_once(service: Service) -> None:
+    headers = {"X-User-ID": "items-resume"}
+    body = {"image_url": data_url(make_jpeg(8)), "user_input": PET}
+    outcome = await run_scan(service.client, json=body, headers=headers)
+    assert outcome.terminal.event == "done", outcome.terminal
+    job_id = outcome.terminal.data["job_id"]
+    after = outcome.of("items")[0].id  # resumed right after the count: every item event is ahead
+    async with aconnect_sse(
+        service.client,
+        "GET",
+        f"/api/v1/scan/{job_id}/events",
+        headers={**headers, "Last-Event-ID": after},
+    ) as source:
+        replay = [Event(s.event, s.id, json.loads(s.data)) async for s in source.aiter_sse() if s.data]
+    assert replay == [e for e in outcome.events if int(e.id) > int(after)]
+    assert [e.data["index"] for e in replay if e.event == "item"] == [0, 1, 2]
+    assert [e.data["index"] for e in replay if e.event == "item_rule"] == [0, 1, 2]
+
+
+async def test_a_taken_over_scan_does_not_send_an_item_event_twice(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """The owner died in the rule stage after sending the first item's rule: the taker runs
+    the rule stage again and sends only the rules not yet sent."""
+    settings = settings_for(database_url, sim)
+    async with lifespan_resources(settings, Metrics(process=False)) as r:
+        first = await _scan(r, "items-owner")
+        cut = next(i for i, e in enumerate(first) if e.event.kind == "item_rule") + 1
+        mirrored = EventLog()
+        for entry in first[:cut]:
+            mirrored.publish(entry)
+        recorded = EventLog.from_json(mirrored.to_json()).entries  # as another replica reads them
+        taken = await _scan(r, "items-taker", adopt=recorded)
+    kinds = [(e.event.kind, e.event.fields().get("index")) for e in taken]
+    assert kinds.count(("items", None)) == 1
+    for kind in ("item", "item_rule"):
+        assert [i for k, i in kinds if k == kind] == [0, 1, 2], kinds
+    assert [e.seq for e in taken] == list(range(1, len(taken) + 1))
+    done = taken[-1].event
+    assert done.kind == "done" and len(done.fields()["item_rules"]) == 3
+    assert [k for k, _ in kinds if k == "done"] == ["done"]
+
+
+async def _scan(r: Resources, user: str, adopt: list[LogEntry] | None = None) -> list[LogEntry]:
+    """A three-item scan run by `r`'s pipeline to its end (taken over from `adopt`'s entries)."""
+    body = json.dumps({"image_url": data_url(make_jpeg(9)), "user_input": PET}).encode()
+    scan_input = parse_scan_body(body, "application/json", r.input_limits)
+    ticket = await r.admission.admit(user)
+    scan_id = uuid.uuid4()
+    await r.store.create(scan_id, user_id=user, image_source="data_url", image_sha256=None, user_input=PET)
+    scan = AcceptedScan(scan_id, user, scan_input, ticket, time.perf_counter())
+    if adopt is None:
+        run = r.pipeline.start(scan)
+    else:
+        run = r.pipeline.adopt(scan, adopt, deadline_s=30.0, token_sha256=None)
+    entries = [entry async for entry in run.log.follow()]
+    assert run.task is not None
+    await run.task
+    return entries
