@@ -25,9 +25,10 @@ _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 # Several items in one photo (MAX_ITEMS): more than this is a list, not a photo of things to
 # sort, and each item is prompt and reply tokens on both calls.
 MAX_ITEMS_CEILING = 12
-# One more item in the vision reply: a category path (~12 tokens), a name (~5), a few tags
-# (~10), a box (~30) and the JSON around them, with room to spare.
-TOKENS_PER_EXTRA_ITEM = 70
+# One more item in the vision reply: a category path, a name, up to four tags, a box and
+# the JSON around them. The longest the simulator writes is ~105 of its tokens (it counts
+# every Hangul syllable as one, stricter than OpenAI's tokenizers).
+TOKENS_PER_EXTRA_ITEM = 110
 # Settings that hold secrets may instead be read from a file: `<NAME>_FILE` names it (a
 # compose or Kubernetes secret), so the value never sits in the process's environment.
 FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret")

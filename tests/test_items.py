@@ -18,13 +18,18 @@ from app.intake.parsing import parse_scan_body
 from app.resources import Resources, lifespan_resources
 from app.runtime.metrics import Metrics
 from app.scans.events import EventLog, LogEntry
+from app.settings import Settings, SettingsError
 from app.sim.config import SimConfig
 from app.sim.gemini import schema_violations
 from app.sim.server import RunningSimulator, run_simulator
+from app.stages.answer import AnswerStage
 from app.stages.context import AcceptedScan
 from app.stages.items import FoundItems, clamped_box, items_schema, parse_items
+from app.stages.rule import RuleResult
+from app.stages.vision import VisionResult
 from app.upstream.negotiation import without_keywords
 from app.upstream.providers.gemini import Gemini
+from app.upstream.tokens import estimate_chat_tokens
 
 from .conftest import Event, Service, data_url, make_jpeg, run_scan, running_service, settings_for, sim_stats
 from .test_routing import routed_service
@@ -295,13 +300,16 @@ async def test_a_taken_over_scan_does_not_send_an_item_event_twice(
     assert [k for k, _ in kinds if k == "done"] == ["done"]
 
 
-async def _scan(r: Resources, user: str, adopt: list[LogEntry] | None = None) -> list[LogEntry]:
-    """A three-item scan run by `r`'s pipeline to its end (taken over from `adopt`'s entries)."""
-    body = json.dumps({"image_url": data_url(make_jpeg(9)), "user_input": PET}).encode()
+async def _scan(
+    r: Resources, user: str, adopt: list[LogEntry] | None = None, note: str = PET
+) -> list[LogEntry]:
+    """A scan (three items, by default) run by `r`'s pipeline to its end (taken over from
+    `adopt`'s entries)."""
+    body = json.dumps({"image_url": data_url(make_jpeg(9)), "user_input": note}).encode()
     scan_input = parse_scan_body(body, "application/json", r.input_limits)
     ticket = await r.admission.admit(user)
     scan_id = uuid.uuid4()
-    await r.store.create(scan_id, user_id=user, image_source="data_url", image_sha256=None, user_input=PET)
+    await r.store.create(scan_id, user_id=user, image_source="data_url", image_sha256=None, user_input=note)
     scan = AcceptedScan(scan_id, user, scan_input, ticket, time.perf_counter())
     if adopt is None:
         run = r.pipeline.start(scan)
@@ -311,3 +319,39 @@ async def _scan(r: Resources, user: str, adopt: list[LogEntry] | None = None) ->
     assert run.task is not None
     await run.task
     return entries
+
+
+async def test_the_vision_cap_follows_max_items_and_a_full_photo_fits_it(service: Service) -> None:
+    assert service.settings.vision_output_tokens == 120 + 110 * 4
+    one = Settings(max_items=1)
+    assert one.vision_output_tokens == 120 and one.call_shape("vision").completion_cap == 120
+    for bad in (0, 13):
+        with pytest.raises(SettingsError, match="MAX_ITEMS"):
+            Settings(max_items=bad)
+    # Five items, long names and all: the reply is never cut by its own cap.
+    note = "스티로폼 완충재, 투명 이온음료병, 플라스틱 계란판, 헤어드라이어, 단추형 전지"
+    outcome = await run_scan(service.client, json={"image_url": data_url(make_jpeg(12)), "user_input": note})
+    assert outcome.terminal.event == "done", outcome.terminal
+    assert outcome.of("items")[0].data["count"] == 5
+
+
+async def test_the_budget_prices_a_photo_of_several_items_by_its_longer_answer_prompt(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """The answer call of a three-item photo reserves more than a one-item one: its prompt
+    holds every item and each distinct rule, and the estimate is of the prompt as sent."""
+    async with lifespan_resources(settings_for(database_url, sim), Metrics(process=False)) as r:
+        scans = {}
+        for count, note in ((1, "생수병"), (3, PET)):
+            scans[count] = await _scan(r, f"items-budget-{count}", note=note)
+        answer = next(stage for stage in r.stages if isinstance(stage, AnswerStage))
+        estimates = {}
+        for count, entries in scans.items():
+            done = entries[-1].event.fields()
+            vision = VisionResult.model_validate(done)
+            rule = RuleResult.model_validate({**done, "reason": done["disposal_rules_reason"]})
+            assert len(vision.items) == count
+            # What a route's `estimate` reserves for the call's prompt (app/upstream/routes.py).
+            request = answer.build_request(vision, rule, None)
+            estimates[count] = estimate_chat_tokens(request.messages) + request.extra_prompt_tokens
+    assert estimates[3] > estimates[1] * 1.5, estimates

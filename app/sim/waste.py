@@ -330,12 +330,13 @@ def items_document(world: _VisionWorld, text: str, rng: random.Random, image_key
     photo = random.Random(int.from_bytes(hashlib.sha256(b"items\x00" + image_key).digest()[:8], "big"))
     memo_at = text.find(_MEMO)
     named = world.all_named_in(text[memo_at + len(_MEMO) :]) if memo_at >= 0 else []
-    if len(named) > 1:
+    several = image_key and photo.random() < SEVERAL_SHARE  # drawn first: the photo's own
+    if named:
         picked = named
-    elif image_key and photo.random() < SEVERAL_SHARE:
+    elif several:
         picked = _several(world, photo)
     else:
-        picked = [named[0] if named else world.pick(rng)]
+        picked = [world.pick(rng)]
     boxes = _boxes(len(picked), photo)
     items = [
         {
