@@ -5,9 +5,10 @@ otherwise); then the rule of the category that owns the minor item's name (the
 model may name a known item under a category with no rule of its own); then the
 major's general rule. No match is an answer too: `document` is None with a reason.
 
-Several items in one photo (app/stages/items.py): one lookup per distinct category, the
-main item's first, each item's rule streamed (an `item_rule` event) as soon as it is
-found when the photo holds several; the stage's own fields stay the main item's.
+Several items in one photo (app/stages/items.py): one lookup per distinct classification
+(the minor item may choose the rule), the main item's first, each item's rule streamed
+(an `item_rule` event) as soon as it is found when the photo holds several; the stage's
+own fields stay the main item's.
 
 Rules change rarely, so `RuleBook` caches lookups (misses included) in memory.
 Invalidation: a trigger on `disposal_rules` sends NOTIFY on every change and a
