@@ -52,6 +52,7 @@ export function showItem(item) {
   boxes.querySelector(`[data-index="${item.index}"]`)?.remove();
   if (!item.box) return;
   const frame = el("div", null, item.main ? "item-box main" : "item-box");
+  if (item.box.x + item.box.width / 2 > 0.6) frame.classList.add("right");
   frame.dataset.index = String(item.index);
   const { x, y, width, height } = item.box;
   Object.assign(frame.style, {
