@@ -9,10 +9,13 @@ and carries its HTTP status (used before a stream starts), its stable `code`
     │   │   ContentTypeUnsupported, BodyReadTimeout,
     │   │   ClientDisconnected (499: gone before its body was read),
     │   │   InvalidText, ContentEncodingUnsupported
-    │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired
+    │   └── Unauthorized (401 + WWW-Authenticate), TokenInvalid, TokenExpired,
+    │       GatewaySecretInvalid
     ├── Overloaded               admission refused (503 / 429 with Retry-After)
-    │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, CpuLaneSaturated,
-    │   │   DatabaseUnavailable, UploadsAtCapacity, ServerShuttingDown
+    │   ├── ServerBusy, UpstreamBudgetExhausted, UserOverLimit, FollowerLimit, CpuLaneSaturated,
+    │   │   DatabaseUnavailable, UploadsAtCapacity, ClientUploadsAtCapacity,
+    │   │   ServerShuttingDown
+    │   └── UserRateLimited, UserQuotaExhausted (429: the caller's scans per minute / 24 h)
     └── ScanFailed               after the stream started: an SSE `error` event
         ├── UpstreamError, UpstreamRateLimited, UpstreamUnavailable, UpstreamQuotaExhausted, UpstreamRejected,
         │   UpstreamBadResponse, UpstreamTimeout, UpstreamTokenLimit, UpstreamRefused,
@@ -20,7 +23,9 @@ and carries its HTTP status (used before a stream starts), its stable `code`
         ├── ServerShutdown, ProcessLost
         └── DatabaseError, InternalError
 
-Messages are written for the client; internal details go to the log only.
+Messages are written for the client; internal details go to the log only. Two more
+codes come from the deploy kits' balancer, never from the service: SERVICE_UNAVAILABLE
+(502/503) and GATEWAY_TIMEOUT (504), when no replica answers (docs/api.md).
 """
 
 from __future__ import annotations
@@ -221,6 +226,14 @@ class TokenExpired(TokenInvalid):
     challenge = 'Bearer error="invalid_token", error_description="The access token expired"'
 
 
+class GatewaySecretInvalid(Unauthorized):
+    """AUTH_GATEWAY_SECRET is set and a request names a user (X-User-ID) without the
+    gateway's secret in X-Gateway-Secret: it did not come through the gateway."""
+
+    code = "GATEWAY_SECRET_INVALID"
+    default_message = "X-User-ID is only accepted from the gateway (X-Gateway-Secret missing or wrong)."
+
+
 # --- admission -------------------------------------------------------------------
 
 
@@ -257,6 +270,31 @@ class UserOverLimit(Overloaded):
     default_message = "Too many scans in flight for this user; wait for one to finish."
 
 
+class UserRateLimited(Overloaded):
+    """USER_SCAN_RATE_PER_MIN scans started in the last minute (app/limits/user_quota.py)."""
+
+    status = 429
+    code = "USER_RATE_LIMITED"
+    default_message = "This user started too many scans in the last minute; retry after Retry-After."
+
+
+class UserQuotaExhausted(Overloaded):
+    """USER_DAILY_SCAN_QUOTA scans started in the last 24 hours (app/limits/user_quota.py)."""
+
+    status = 429
+    code = "USER_QUOTA_EXHAUSTED"
+    default_message = "This user's scans for the last 24 hours are used up; retry after Retry-After."
+
+
+class FollowerLimit(Overloaded):
+    """Following scans of other replicas: this user, or this scan, holds its share of the
+    process's Redis follower connections (app/scans/followers.py)."""
+
+    status = 429
+    code = "FOLLOWER_LIMIT"
+    default_message = "Too many streams of scans running elsewhere are open; close one, then retry."
+
+
 class DatabaseUnavailable(Overloaded):
     code = "DATABASE_UNAVAILABLE"
     default_message = "The database is unavailable; retry later."
@@ -266,6 +304,16 @@ class UploadsAtCapacity(Overloaded):
     code = "UPLOADS_AT_CAPACITY"
     close_connection = True
     default_message = "Too many uploads are being received at once; retry shortly."
+
+
+class ClientUploadsAtCapacity(Overloaded):
+    """One client's bodies being received already hold `BODY_BUFFER_MAX_BYTES_PER_CLIENT`:
+    its stalled uploads cannot take everyone's room."""
+
+    status = 429
+    code = "CLIENT_UPLOADS_AT_CAPACITY"
+    close_connection = True
+    default_message = "Too many of your uploads are being received at once; finish one, then retry."
 
 
 class ServerShuttingDown(Overloaded):

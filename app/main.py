@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from app.http.docs_page import router as docs_router
 from app.http.errors import install_error_handlers
 from app.http.head_limits import HeadLimits
 from app.http.openapi.document import install_openapi
@@ -20,6 +21,7 @@ from app.http.routes import router
 from app.resources import lifespan_resources
 from app.runtime.heap import timed_collections, tuned_heap
 from app.runtime.metrics import Metrics
+from app.runtime.redaction import scrub_access_log
 from app.scans.drain import SignalRouter
 from app.settings import Settings
 from app.stages.base import StageClass
@@ -52,11 +54,13 @@ def create_app(
             finally:
                 signals.restore()
 
-    app = FastAPI(title="ecoscan", version="0.1.0", lifespan=lifespan)
+    # /docs is ours (app/http/docs_page.py): FastAPI's loads swagger-ui from a CDN.
+    app = FastAPI(title="ecoscan", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(router)
     app.include_router(page_router)
+    app.include_router(docs_router)
     install_openapi(app, settings, stages)
-    install_error_handlers(app, routers=(router, page_router))
+    install_error_handlers(app, routers=(router, page_router, docs_router))
     # Heads over the bounds are refused even when the server was started without
     # app/http/protocol.py (a bare `uvicorn app.main:app`).
     app.add_middleware(HeadLimits)
@@ -69,6 +73,8 @@ def _configure_logging(level: str) -> None:
     logging.getLogger("app").setLevel(level.upper())
     # httpx logs every request at INFO (the JWKS fetches of AUTH_MODE=jwt).
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # Scan tokens (`?token=`) are capabilities: uvicorn's access line shows them masked.
+    scrub_access_log()
 
 
 app = create_app()

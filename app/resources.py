@@ -33,6 +33,7 @@ from app.intake.identity import Authenticator
 from app.intake.parsing import InputLimits
 from app.limits.adaptive import AdaptiveLimit
 from app.limits.admission import Admission
+from app.limits.charge_learning import KINDS, ChargeLearner
 from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
 from app.limits.rate_budget import RateBudget
@@ -48,14 +49,17 @@ from app.limits.sizing import (
     Sizing,
 )
 from app.limits.stage_gate import StageGate
+from app.limits.user_quota import UserQuota, windows
 from app.runtime.box import BoxLimits, box_limits
 from app.runtime.loop_lag import probe_loop_lag
 from app.runtime.metrics import Metrics
-from app.runtime.redis_link import RedisLink, redact_url
+from app.runtime.redaction import redact_url
+from app.runtime.redis_link import RedisLink
 from app.scans.drain import Drain
+from app.scans.followers import FollowerCaps
 from app.scans.housekeeping import purge_old_scans, sweep_lost_scans
 from app.scans.liveness import Liveness, leased_instances
-from app.scans.mirror import ScanStreams
+from app.scans.mirror import FOLLOW_MAX_CONNECTIONS, ScanStreams
 from app.scans.pipeline import ScanPipeline
 from app.scans.runner import StageRunner
 from app.scans.store import ScanStore
@@ -67,7 +71,10 @@ from app.upstream.breaker import Breaker
 from app.upstream.client import Upstream
 from app.upstream.deployments import Deployment, DeploymentError, with_key
 from app.upstream.endpoint import ChatEndpoint
+from app.upstream.hedging import HedgeBudget, HedgePolicy
 from app.upstream.negotiation import Negotiation
+from app.upstream.probes import Prober
+from app.upstream.profiles import DEFAULT_PROFILE, profile_for
 from app.upstream.providers import PROVIDERS
 from app.upstream.routes import Route, Router
 from app.upstream.shared_breaker import SharedBreakers
@@ -171,6 +178,7 @@ async def lifespan_resources(
             identity=identity,
             metrics=metrics,
             idempotency_ttl_s=settings.idempotency_ttl_s,
+            quota=_user_quota(settings, redis, metrics, stack),
         )
         drain = Drain(pipeline, drain_s=settings.shutdown_drain_s)
         metrics.shutting_down.set_function(lambda: float(drain.draining))
@@ -305,7 +313,9 @@ async def _upstream(
     breakers: dict[str, Breaker] = {}
     for d in deployments:
         provider = PROVIDERS[d.provider]
-        breaker = breakers[d.health_id()] = Breaker(d.name, open_base_s=settings.upstream_open_s)
+        breaker = breakers[d.health_id()] = Breaker(
+            d.name, open_base_s=settings.upstream_open_s, open_max_s=settings.upstream_probe_max_s
+        )
         metrics.upstream_state.labels(d.name).set_function(breaker.gauge)
         for stage in ("vision", "answer"):
             model = d.model_for(stage)
@@ -314,6 +324,9 @@ async def _upstream(
             key = d.budget_key(model)
             if key not in budgets:
                 budgets[key] = _budget(settings, key, (d.rpm, d.tpm), redis, metrics, clock, stack)
+                budgets[key].charges = ChargeLearner(
+                    settings.charge_learning_config(), headers=provider.rate_headers
+                )
             if (d.name, model) not in endpoints:
                 endpoint = ChatEndpoint.open(
                     provider.chat_url(d, model),
@@ -327,7 +340,10 @@ async def _upstream(
                 )
                 stack.push_async_callback(_bounded_close, f"connections to {d.name}", endpoint.aclose)
                 endpoints[(d.name, model)] = endpoint
-                negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}")
+                # A provider we know serving a model its profile describes: what it takes is
+                # known; any other (a compatible server, a model we do not know) is found out.
+                known = d.provider != "compatible" and profile_for(model) is not DEFAULT_PROFILE
+                negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}", settled=known)
             shape = settings.call_shape(stage, model=model, token_param=d.token_param)
             routes.append(
                 Route(
@@ -354,8 +370,19 @@ async def _upstream(
         retry=retry,
         metrics=metrics,
         clock=clock,
-        shared_breakers=shared,
+        negotiation_wait_s=settings.negotiation_wait_s,
+        ride_out_s=settings.upstream_ride_out_s,
+        hedging=HedgePolicy(
+            settings.hedge_factor,
+            settings.hedge_min_s,
+            settings.hedge_max_s,
+            HedgeBudget(settings.hedge_budget),
+        ),
     )
+    # The breakers' probes: the service's own requests, never a user's call.
+    prober = Prober(routes, clock, metrics, shared=shared)
+    prober.start()
+    stack.push_async_callback(_bounded_close, "upstream probes", prober.aclose)
     return upstream, deployments[0].base_url, simulator
 
 
@@ -500,7 +527,12 @@ def _scan_streams(
     if redis is None:
         return None
     deadline_s, block_s = settings.scan_deadline_s, settings.sse_ping_s
-    streams = ScanStreams(redis, metrics, scan_deadline_s=deadline_s, block_s=block_s)
+    caps = FollowerCaps(
+        per_user=settings.followers_max_per_user,
+        per_scan=settings.followers_max_per_scan,
+        total=FOLLOW_MAX_CONNECTIONS,
+    )
+    streams = ScanStreams(redis, metrics, scan_deadline_s=deadline_s, block_s=block_s, caps=caps)
     stack.push_async_callback(_bounded_close, "scan event streams", streams.close)
     return streams
 
@@ -563,6 +595,23 @@ def _shared_user_caps(
     return caps
 
 
+def _user_quota(
+    settings: Settings, redis: RedisLink | None, metrics: Metrics, stack: AsyncExitStack
+) -> UserQuota | None:
+    """USER_SCAN_RATE_PER_MIN / USER_DAILY_SCAN_QUOTA, shared through Redis when there is one."""
+    limits = windows(settings.user_scan_rate_per_min, settings.user_daily_scan_quota)
+    if not limits:
+        return None
+    quota = UserQuota(
+        limits,
+        link=redis,
+        on_error=metrics.user_quota_redis_errors.inc,
+        on_refused=lambda code: metrics.admission_rejected.labels(code).inc(),
+    )
+    stack.push_async_callback(_bounded_close, "per-user rate and quota", quota.aclose)
+    return quota
+
+
 def _admission(
     settings: Settings,
     predicted_budget_wait: Callable[[int], float],
@@ -583,10 +632,11 @@ def _admission(
 
 def _body_reader(settings: Settings, limits: InputLimits, metrics: Metrics) -> BodyReader:
     reader = BodyReader(
-        BodyBudget(settings.body_buffer_max_bytes),
+        BodyBudget(settings.body_buffer_max_bytes, per_client=settings.body_buffer_max_bytes_per_client),
         limit=limits.max_body_bytes,
         timeout_s=settings.body_read_timeout_s,
         min_bytes_per_s=settings.body_min_bytes_per_s,
+        gap_s=settings.body_gap_timeout_s,
     )
     metrics.body_bytes_buffered.set_function(_reader(reader.budget, "in_use"))
     return reader
@@ -604,7 +654,7 @@ def _input_limits(settings: Settings) -> InputLimits:
 
 async def _database(settings: Settings, stack: AsyncExitStack) -> str:
     if settings.database_url is not None:
-        log.info("database: DATABASE_URL (%s)", _redact(settings.database_url))
+        log.info("database: DATABASE_URL (%s)", redact_url(settings.database_url))
         return settings.database_url
     embedded = EmbeddedPostgres(settings.embedded_pg_dir)
     dsn = await embedded.start()
@@ -619,7 +669,7 @@ async def _database(settings: Settings, stack: AsyncExitStack) -> str:
 async def _upstream_endpoint(settings: Settings, stack: AsyncExitStack) -> tuple[str, str, Any]:
     if not settings.uses_simulator:
         url = settings.openai_base_url or "https://api.openai.com/v1"
-        log.info("upstream: OpenAI-compatible API at %s", url)
+        log.info("upstream: OpenAI-compatible API at %s", redact_url(url))
         return url, settings.openai_api_key or "", None
     # The simulator is a development stand-in: imported only when it runs.
     from app.sim.config import SimConfig
@@ -654,6 +704,10 @@ def _bind_gauges(
         metrics.budget_waiters.labels(model).set_function(_reader(budget, "waiting"))
         metrics.budget_limit.labels(model, "requests").set_function(_reader(budget, "effective_rpm"))
         metrics.budget_limit.labels(model, "tokens").set_function(_reader(budget, "effective_tpm"))
+        for kind in KINDS:
+            metrics.upstream_charge_ratio.labels(model, kind).set_function(
+                functools.partial(budget.charges.ratio, kind)
+            )
     for stage, gate in gates.items():
         metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
     for route in upstream.routes:
@@ -707,10 +761,3 @@ async def _bounded_close(
 
 def _reader(obj: object, attribute: str) -> Callable[[], float]:
     return lambda: float(getattr(obj, attribute))
-
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url

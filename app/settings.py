@@ -14,13 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from app.limits.charge_learning import ChargeLearning
 from app.limits.sizing import LimitSpec
+from app.runtime.redaction import redact_url
 from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
 from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
 
 AUTH_MODES = ("gateway", "jwt")
 # RFC 7518 §3.2: an HS256 key at least as long as its hash output.
 MIN_SECRET_BYTES = 32
+# The gateway's shared secret travels in a header on every request: long enough not to be
+# guessed, visible ASCII so that every proxy passes it unchanged.
+MIN_GATEWAY_SECRET_CHARS = 16
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 # Several items in one photo (MAX_ITEMS): more than this is a list, not a photo of things to
 # sort, and each item is prompt and reply tokens on both calls.
@@ -31,7 +36,7 @@ MAX_ITEMS_CEILING = 12
 TOKENS_PER_EXTRA_ITEM = 110
 # Settings that hold secrets may instead be read from a file: `<NAME>_FILE` names it (a
 # compose or Kubernetes secret), so the value never sits in the process's environment.
-FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret")
+FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret", "auth_gateway_secret")
 
 
 class SettingsError(ValueError):
@@ -45,7 +50,7 @@ def _default_workers() -> int:
 @dataclass(frozen=True)
 class Settings:
     # --- resources -------------------------------------------------------------
-    database_url: str | None = None
+    database_url: str | None = field(default=None, repr=False)
     embedded_pg_dir: str = ".ecoscan/pgdata"
     db_pool_min: int = 2
     db_pool_max: str | int = "auto"  # `auto`: app/db/pool.py's pool_size
@@ -69,8 +74,9 @@ class Settings:
     openai_token_param: str = "auto"
     vision_reasoning_effort: str | None = None
     answer_reasoning_effort: str | None = None
-    # How long a failing deployment's breaker stays open at first (doubling, up to 60 s).
-    upstream_open_s: float = 5.0
+    # How long after a deployment's breaker opens the service's first probe of it goes
+    # (app/upstream/probes.py); each failed probe doubles it, up to UPSTREAM_PROBE_MAX_S.
+    upstream_open_s: float = 1.0
     openai_connect_timeout_s: float = 5.0
     openai_read_timeout_s: float = 20.0
     vision_timeout_s: float = 30.0
@@ -87,12 +93,40 @@ class Settings:
     cpu_queue_limit: str | int = "auto"
     max_inflight_scans: str | int = "auto"
     max_inflight_per_user: int = 4
+    # Per-user scan rate and quota (app/limits/user_quota.py): scans a caller may start in a
+    # minute and in 24 hours, shared by every replica through REDIS_URL. 0: off.
+    user_scan_rate_per_min: int = 0
+    user_daily_scan_quota: int = 0
     admission_wait_s: float = 0.5
     max_budget_wait_s: float = 10.0
     scan_deadline_s: float = 60.0
     retry_max_attempts: int = 4
     retry_base_delay_s: float = 0.25
     retry_max_delay_s: float = 8.0
+    # What each provider's limiter charges, learned from its replies (app/limits/charge_learning.py).
+    charge_learning: bool = True
+    charge_ratio_min: float = 0.25
+    charge_ratio_max: float = 4.0
+    charge_step: float = 0.15
+    charge_margin: float = 0.02
+
+    # --- upstream health: negotiation in one flight, probes (app/upstream/negotiation.py, probes.py)
+    # How long a call waits for the one call finding out whether its deployment takes a
+    # parameter it has not answered for yet; then it goes as it is.
+    negotiation_wait_s: float = 2.0
+    # The longest pause between two probes of a deployment that is down: how late a
+    # deployment that came back may be found (app/upstream/probes.py).
+    upstream_probe_max_s: float = 3.0
+    # The longest a call waits for a deployment's return when every deployment of its stage
+    # is down (within its deadline): short outages are ridden out, long ones fail the call.
+    upstream_ride_out_s: float = 20.0
+    # Hedging (app/upstream/hedging.py): a call whose reply has not begun by its deployment's
+    # recent first-byte p99 x HEDGE_FACTOR (within HEDGE_MIN_S..HEDGE_MAX_S) is sent again to
+    # another deployment; at most HEDGE_BUDGET of the last minute's calls (0: never).
+    hedge_factor: float = 1.5
+    hedge_min_s: float = 1.0
+    hedge_max_s: float = 10.0
+    hedge_budget: float = 0.05
 
     # --- many replicas, one key (app/runtime/redis_link.py, app/limits/shared_budget.py) -------
     # Set: the OpenAI budget, per-user caps and running scans' events are shared by every
@@ -114,6 +148,15 @@ class Settings:
     body_read_timeout_s: float = 15.0
     body_min_bytes_per_s: float = 8192.0
     body_buffer_max_bytes: int = 256 * 1024 * 1024
+    # Uploads nobody can hold (app/intake/body_reader.py): a body with no new bytes for
+    # this long is cut off, and one client's bodies hold at most this much at once (and
+    # never more than BODY_BUFFER_MAX_BYTES, whichever is smaller).
+    body_gap_timeout_s: float = 10.0
+    body_buffer_max_bytes_per_client: int = 32 * 1024 * 1024
+    # Following scans of other replicas (app/scans/followers.py): each follow holds one of
+    # the process's Redis follower connections while the scan runs.
+    followers_max_per_user: int = 8
+    followers_max_per_scan: int = 4
 
     # --- streaming and caching ----------------------------------------------------
     sse_ping_s: float = 15.0
@@ -146,6 +189,8 @@ class Settings:
     auth_jwks_ttl_s: float = 300.0
     auth_jwks_refetch_s: float = 30.0
     auth_jwks_timeout_s: float = 5.0
+    # AUTH_MODE=gateway: X-User-ID is believed only with this secret in X-Gateway-Secret.
+    auth_gateway_secret: str | None = field(default=None, repr=False)
 
     # --- the built-in simulator (used when OPENAI_API_KEY is unset) ------------------
     # The SIM_* variables as given, one per field of app/sim/config.py's SimConfig; read
@@ -178,10 +223,18 @@ class Settings:
             raise SettingsError(
                 "BODY_BUFFER_MAX_BYTES must hold at least one largest body (4/3 x IMAGE_MAX_BYTES + 64 KiB)"
             )
+        self._check_upload_caps()
+        if self.hedge_max_s < self.hedge_min_s:
+            raise SettingsError("HEDGE_MAX_S must be at least HEDGE_MIN_S")
+        if self.hedge_budget > 1:
+            raise SettingsError("HEDGE_BUDGET must be a fraction of the calls, at most 1")
+        if self.upstream_probe_max_s < self.upstream_open_s:
+            raise SettingsError("UPSTREAM_PROBE_MAX_S must be at least UPSTREAM_OPEN_S")
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
         if not 1 <= self.max_items <= MAX_ITEMS_CEILING:
             raise SettingsError(f"MAX_ITEMS must be between 1 and {MAX_ITEMS_CEILING}, got {self.max_items}")
+        self._check_charges()
         self._check_models()
         self._check_redis()
         self._check_identity()
@@ -190,6 +243,16 @@ class Settings:
             # A base URL without a key would silently fall back to the simulator.
             raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
 
+    def charge_learning_config(self) -> ChargeLearning:
+        """The `CHARGE_*` settings as every budget's learner takes them."""
+        return ChargeLearning(
+            self.charge_learning,
+            self.charge_ratio_min,
+            self.charge_ratio_max,
+            self.charge_step,
+            self.charge_margin,
+        )
+
     def limit(self, name: str) -> LimitSpec:
         """One of the `SIZED_LIMITS` as set: sized (`auto`, `auto:N`) or fixed."""
         value = getattr(self, name)
@@ -197,6 +260,16 @@ class Settings:
             return LimitSpec.parse(env_name(name), str(value), minimum=0 if name in _MAY_BE_ZERO else 1)
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
+
+    def _check_charges(self) -> None:
+        if not 0 < self.charge_ratio_min <= 1:
+            raise SettingsError(f"CHARGE_RATIO_MIN must be in (0, 1], got {self.charge_ratio_min}")
+        if self.charge_ratio_max < 1:
+            raise SettingsError(f"CHARGE_RATIO_MAX must be >= 1, got {self.charge_ratio_max}")
+        if not 0 < self.charge_step <= 1:
+            raise SettingsError(f"CHARGE_STEP must be in (0, 1], got {self.charge_step}")
+        if not 0 <= self.charge_margin < 1:
+            raise SettingsError(f"CHARGE_MARGIN must be in [0, 1), got {self.charge_margin}")
 
     def _check_identity(self) -> None:
         """AUTH_*: one mode, one key source, and nothing set that the mode ignores."""
@@ -208,6 +281,7 @@ class Settings:
             "AUTH_JWKS_URL": self.auth_jwks_url,
         }
         given = [name for name, value in sources.items() if value]
+        self._check_gateway_secret()
         if self.auth_mode == "gateway":
             claims = {
                 "AUTH_JWT_ISSUER": self.auth_jwt_issuer,
@@ -229,6 +303,23 @@ class Settings:
         if self.auth_jwks_url:
             self._check_jwks_url(self.auth_jwks_url)
 
+    def _check_gateway_secret(self) -> None:
+        secret = self.auth_gateway_secret
+        if secret is None:
+            return
+        if self.auth_mode != "gateway":
+            raise SettingsError(
+                f"AUTH_GATEWAY_SECRET only applies with AUTH_MODE=gateway (AUTH_MODE is {self.auth_mode})"
+            )
+        if len(secret) < MIN_GATEWAY_SECRET_CHARS:
+            raise SettingsError(
+                f"AUTH_GATEWAY_SECRET must be at least {MIN_GATEWAY_SECRET_CHARS} characters long"
+            )
+        if not all("!" <= c <= "~" for c in secret):
+            raise SettingsError(
+                "AUTH_GATEWAY_SECRET must be visible ASCII without spaces (it is sent as a header)"
+            )
+
     @staticmethod
     def _check_jwks_url(url: str) -> None:
         parts = urlsplit(url)
@@ -237,6 +328,14 @@ class Settings:
         if parts.scheme == "http" and parts.hostname not in _LOOPBACK_HOSTS:
             # Whoever can alter the key set can sign tokens for any user.
             raise SettingsError("AUTH_JWKS_URL must use https:// (plain http only to a loopback address)")
+
+    def _check_upload_caps(self) -> None:
+        largest = self.image_max_bytes * 4 // 3 + 64 * 1024
+        if self.body_buffer_max_bytes_per_client < largest:
+            raise SettingsError(
+                "BODY_BUFFER_MAX_BYTES_PER_CLIENT must hold at least one largest body "
+                "(4/3 x IMAGE_MAX_BYTES + 64 KiB)"
+            )
 
     def _check_redis(self) -> None:
         if self.liveness_renew_s >= self.liveness_ttl_s:
@@ -339,6 +438,7 @@ _AUTO_IS_DEFAULT = frozenset({"cpu_max_workers"})
 
 # Settings where 0 is meaningful (0 retries, no flush delay, no admission wait...).
 _MAY_BE_ZERO = {
+    "hedge_budget",
     "db_pool_min",
     "cpu_queue_limit",
     "admission_wait_s",
@@ -355,6 +455,9 @@ _MAY_BE_ZERO = {
     "answer_cache_ttl_s",
     "disconnect_grace_s",
     "gc_young_threshold",
+    "charge_margin",
+    "user_scan_rate_per_min",
+    "user_daily_scan_quota",
 }
 
 
@@ -405,11 +508,5 @@ def _boolean(name: str, raw: str) -> bool:
     raise SettingsError(f"{env_name(name)} must be true/false, 1/0, yes/no or on/off, got {raw!r}")
 
 
-def display_url(url: str) -> str:
-    """The URL without its query or credentials, for messages and logs."""
-    parts = urlsplit(url)
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        port = ":?"
-    return f"{parts.scheme}://{parts.hostname or ''}{port}{parts.path}"
+# The one URL redactor (app/runtime/redaction.py), under the name app/intake/identity.py uses.
+display_url = redact_url

@@ -5,8 +5,10 @@
 #
 #   postgres_password       random; set in PostgreSQL when its volume is first initialised
 #   database_url            postgresql://ecoscan:<that password>@postgres:5432/ecoscan
+#   redis_password          random; Redis's requirepass
+#   redis_url               redis://:<that password>@redis:6379/0
 #   openai_api_key          $OPENAI_API_KEY if set, else empty: the built-in simulator
-#   auth_jwt_secret         random, 64 hex digits (HS256), used with AUTH_MODE=jwt only
+#   auth_jwt_secret         random, 64 hex digits: the HS256 key of the bearer tokens
 #   grafana_admin_password  random (the grafana profile)
 #
 # To use a real key later: printf '%s' sk-... > deploy/secrets/openai_api_key, then
@@ -36,8 +38,14 @@ if [ -e "$dir/database_url" ] && [ ! -e "$dir/postgres_password" ]; then
   echo "make-secrets.sh: $dir/database_url exists without postgres_password; remove it or write both" >&2
   exit 1
 fi
+if [ -e "$dir/redis_url" ] && [ ! -e "$dir/redis_password" ]; then
+  echo "make-secrets.sh: $dir/redis_url exists without redis_password; remove it or write both" >&2
+  exit 1
+fi
 write postgres_password "$(random_hex 24)"
 write database_url "postgresql://ecoscan:$(head -n1 "$dir/postgres_password")@postgres:5432/ecoscan"
+write redis_password "$(random_hex 24)"
+write redis_url "redis://:$(head -n1 "$dir/redis_password")@redis:6379/0"
 write openai_api_key "${OPENAI_API_KEY:-}"
 write auth_jwt_secret "$(random_hex 32)"
 write grafana_admin_password "$(random_hex 12)"

@@ -64,12 +64,14 @@ def free_port() -> int:
 
 @asynccontextmanager
 async def service_process(
-    env: Mapping[str, str], log_path: Path, *, our_protocol: bool = True
+    env: Mapping[str, str], log_path: Path, *, our_protocol: bool = True, access_log: bool = False
 ) -> AsyncIterator[ServiceProcess]:
     """Start `uvicorn app.main:app`, wait until it answers, and make sure it is gone after.
-    `our_protocol=False`: the bare command, without `--http` (uvicorn's own httptools)."""
+    `our_protocol=False`: the bare command, without `--http` (uvicorn's own httptools).
+    `access_log`: uvicorn's access log on, as it is by default (and in the image)."""
     port = free_port()
     http = ["--http", "app.http.protocol:HttpToolsProtocol"] if our_protocol else []
+    quiet = [] if access_log else ["--no-access-log"]
     with log_path.open("ab") as log_file:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -81,7 +83,7 @@ async def service_process(
             "127.0.0.1",
             "--port",
             str(port),
-            "--no-access-log",
+            *quiet,
             env=dict(env),
             stdout=log_file,
             stderr=log_file,

@@ -15,6 +15,16 @@
    unbroken, the row `completed` under the new owner's instance. The killed replica is
    restarted by its restart policy; the balancer and Prometheus follow it to its new
    address.
+4. The kit's edge: the replicas believe bearer tokens (AUTH_MODE=jwt), so a client's
+   X-User-ID claims nobody; /readyz and /metrics are not routed; an anonymous scan's
+   `?token=` is read through the balancer and never written to its access log.
+5. A POST reaches a second replica only when it never reached the first (a connection
+   refused), never after it was sent (a connection cut before the answer): two decoys
+   under the service's DNS name stand in for the broken replicas.
+6. A replica stopped for good (`docker kill`: Docker treats it as a manual stop and does
+   not restart it) leaves DNS, and Prometheus' EcoscanReplicasMissing turns pending.
+7. With no replica left, the balancer answers a scan with the API's JSON error and a
+   Retry-After, not nginx's HTML.
 
 Takeover (like the sweep) waits for the dead instance to hold no PostgreSQL session, so
 it could come between the kill and the resume: the test holds it off by keeping one
@@ -46,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jwt
 import pytest
 
 from .conftest import SCAN_URL, Event, data_url, make_jpeg
@@ -206,7 +217,16 @@ class Stack:
         ).strip()
 
     def redis(self, *command: str) -> str:
-        return _checked(["docker", "exec", self.container("redis"), "redis-cli", *command])
+        """redis-cli in the Redis container, with the password it reads from its secret."""
+        script = 'REDISCLI_AUTH="$(cat /run/secrets/redis_password)" exec redis-cli "$@"'
+        return _checked(["docker", "exec", self.container("redis"), "sh", "-c", script, "sh", *command])
+
+    def auth(self, user: str) -> dict[str, str]:
+        """A bearer token for `user`, signed with the stack's HS256 secret: the only way
+        a client names itself to the replicas (AUTH_MODE=jwt)."""
+        secret = (self.secrets / "auth_jwt_secret").read_text().strip()
+        token = jwt.encode({"sub": user, "exp": int(time.time()) + 3600}, secret, algorithm="HS256")
+        return {"Authorization": f"Bearer {token}"}
 
     def logs(self, tail: int = 60) -> str:
         result = _run([*self.compose, "logs", "--no-color", f"--tail={tail}"], timeout=60, env=self.env)
@@ -323,6 +343,12 @@ def test_the_stack_comes_up_from_images_built_here(stack: Stack, capsys: pytest.
             env = json.loads(stack.inspect(container, "{{json .Config.Env}}"))
             leaked = [v for v in env if v.split("=", 1)[1] in secret_values]
             assert not leaked, f"{service}: a secret in its environment"
+            command = stack.inspect(container, "{{json .Config.Cmd}} {{json .Args}}")
+            assert not [v for v in secret_values if v in command], f"{service}: a secret in its command"
+    # Redis wants the password (the replicas' redis_url has it) and keeps protected mode.
+    anonymous = _run(["docker", "exec", stack.container("redis"), "redis-cli", "ping"])
+    assert "NOAUTH" in anonymous.stdout + anonymous.stderr, anonymous
+    assert stack.redis("CONFIG", "GET", "protected-mode").split() == ["protected-mode", "yes"]
     # Every setting of the env file reaches every replica (the test's file: a copy of
     # deploy/ecoscan.env plus TEST_SETTINGS), and the stack's wiring on top.
     lines = Path(stack.env["ECOSCAN_ENV_FILE"]).read_text().splitlines()
@@ -334,7 +360,7 @@ def test_the_stack_comes_up_from_images_built_here(stack: Stack, capsys: pytest.
         assert f"FORWARDED_ALLOW_IPS={stack.env['ECOSCAN_LB_IP']}" in env
     replica = stack.containers("ecoscan")[0]
     mounted = _checked(["docker", "exec", replica, "ls", "/run/secrets"]).split()
-    assert {"database_url", "openai_api_key", "auth_jwt_secret"} <= set(mounted)
+    assert {"database_url", "redis_url", "openai_api_key", "auth_jwt_secret"} <= set(mounted)
     # Every replica has its memory limit (deploy.resources), and the balancer its address.
     for container in stack.containers("ecoscan"):
         assert stack.inspect(container, "{{.HostConfig.Memory}}") == str(1024**3)
@@ -353,7 +379,7 @@ async def test_scans_through_the_balancer_spread_and_prometheus_scrapes_every_re
 ) -> None:
     async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(90, connect=10)) as client:
         outcomes = await asyncio.gather(
-            *(_scan(client, 100 + i, f"compose-user-{i}") for i in range(2 * REPLICAS))
+            *(_scan(client, 100 + i, stack.auth(f"compose-user-{i}")) for i in range(2 * REPLICAS))
         )
     for outcome in outcomes:
         _assert_done(outcome)
@@ -435,11 +461,11 @@ class Reading:
         return [e for e in self.events if e.event in ("done", "error")]
 
 
-async def _scan(client: httpx.AsyncClient, seed: int, user: str) -> Reading:
+async def _scan(client: httpx.AsyncClient, seed: int, headers: dict[str, str]) -> Reading:
     """A whole scan through the balancer (its SSE pings are comment lines, read as such)."""
     body = {"image_url": data_url(make_jpeg(seed)), "user_input": "어떻게 버리나요?"}
     reading = Reading()
-    async with client.stream("POST", SCAN_URL, json=body, headers={"X-User-ID": user}) as response:
+    async with client.stream("POST", SCAN_URL, json=body, headers=headers) as response:
         assert response.status_code == 200, await response.aread()
         reading.scan_id = response.headers["x-scan-id"]
         await _read(response, reading)
@@ -483,8 +509,7 @@ async def _until(reading: Reading, condition: Callable[[], bool], what: str, wit
 async def test_a_scan_whose_replica_is_sigkilled_is_read_on_through_another(
     stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    user = "compose-kill"
-    headers = {"X-User-ID": user}
+    headers = stack.auth("compose-kill")
     body = {"image_url": data_url(make_jpeg(4242)), "user_input": "뚜껑은 어떻게 버리나요?"}
     replicas_before = stack.containers("ecoscan")
     timeline: list[str] = []
@@ -600,7 +625,7 @@ async def test_a_scan_whose_replica_is_sigkilled_is_read_on_through_another(
     await _eventually_targets(stack, replicas)
     note(f"replica back at {stack.address(owner)}; Prometheus scrapes all {REPLICAS}")
     async with httpx.AsyncClient(base_url=stack.url, timeout=90) as client:
-        _assert_done(await _scan(client, 4243, user))
+        _assert_done(await _scan(client, 4243, headers))
     served = [line for line in _balancer_log(stack) if f"/api/v1/scan/{scan_id}" in line]
     with capsys.disabled():
         print("\n[compose] " + "\n[compose] ".join(timeline))
@@ -659,3 +684,269 @@ def _hold_the_sweep_off(stack: Stack, tag: str) -> None:
 def _let_the_sweep_run(stack: Stack, tag: str) -> None:
     """Ends the session that held the sweep and the takeover off."""
     stack.psql(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{tag}'")
+
+
+async def test_the_edge_lets_no_client_claim_an_identity_or_read_private_routes(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    owner = stack.auth("compose-owner")
+    async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(90, connect=10)) as client:
+        reading = await _scan(client, 777, owner)
+        _assert_done(reading)
+        scan = f"/api/v1/scan/{reading.scan_id}"
+        # The owner, by token, reads its scan and its list...
+        assert (await client.get(scan, headers=owner)).status_code == 200
+        mine = await client.get("/api/v1/users/me/characters", headers=owner)
+        assert mine.status_code == 200, mine.text
+        # ...a client naming the owner (or anyone) in X-User-ID, with or without a gateway
+        # secret, is an anonymous caller like any other: the same answers whatever it names.
+        claims = [
+            {"X-User-ID": "compose-owner"},
+            {"X-User-ID": "compose-owner", "X-Gateway-Secret": "guess"},
+            {"X-User-ID": "someone-else"},
+            {},
+        ]
+        lists = [await client.get("/api/v1/users/me/characters", headers=claim) for claim in claims]
+        assert {(r.status_code, r.json()["code"]) for r in lists} == {(401, "UNAUTHENTICATED")}, [
+            r.text for r in lists
+        ]
+        reads = [await client.get(scan, headers=claim) for claim in claims]
+        assert {(r.status_code, r.json()["code"]) for r in reads} == {(404, "SCAN_NOT_FOUND")}, [
+            r.text for r in reads
+        ]
+        cancel = await client.delete(scan, headers=claims[0])
+        assert cancel.status_code == 404, cancel.text
+
+        # Probes and metrics are for each replica directly, not for the public port.
+        for private in ("/readyz", "/metrics"):
+            answer = await client.get(private)
+            assert answer.status_code == 404 and answer.json()["code"] == "NOT_FOUND", (private, answer.text)
+        # What nginx refuses itself, it refuses in the API's words.
+        long_line = await client.get("/api/v1/scan/categories", headers={"X-Long": "a" * 17 * 1024})
+        assert long_line.status_code == 431, long_line.text
+        assert long_line.json()["code"] == "REQUEST_HEADERS_TOO_LARGE"
+        malformed = await _raw_request(stack, b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
+        assert malformed.startswith(b"HTTP/1.1 400 "), malformed
+        assert json.loads(malformed.split(b"\r\n\r\n", 1)[1])["code"] == "BAD_HTTP_REQUEST", malformed
+
+        # An anonymous scan (allowed: the page works without signing in), read back with
+        # its capability token in the query: the balancer serves it and logs no token.
+        anonymous = await _scan_anonymously(client, 778)
+        assert anonymous.token
+        status = await client.get(scan_of(anonymous), params={"token": anonymous.token})
+        assert status.status_code == 200, status.text
+        escaped = await client.get(f"{scan_of(anonymous)}?%74oken={anonymous.token}")
+        assert escaped.status_code == 200, escaped.text
+        assert (await client.get(scan_of(anonymous))).status_code == 404
+
+    log = "\n".join(_balancer_log(stack))
+    assert anonymous.token not in log
+    logged = [line for line in log.splitlines() if f"GET {scan_of(anonymous)}" in line]
+    assert len(logged) >= 3 and sum("?[redacted]" in line for line in logged) == 2, logged
+    with capsys.disabled():
+        print("\n[compose] balancer: " + "\n[compose] balancer: ".join(logged))
+
+
+# Two stand-ins for a replica, joined to the stack's network under the service's name, so
+# Docker's DNS lists them beside the replicas and the balancer sends them requests: one
+# with nothing listening (a connection refused: the request never reached a replica), one
+# that reads the request and closes without answering (it did).
+DECOYS = {
+    "refuses": "import time; time.sleep(600)",
+    "drops": (
+        "import socket\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('', 8000)); s.listen(64)\n"
+        "while True:\n"
+        "    c, _ = s.accept(); c.recv(65536); c.close()\n"
+    ),
+}
+RETRY_PROBES = 12
+
+
+@dataclass
+class Probe:
+    post: httpx.Response
+    get: httpx.Response
+    post_tried: list[str]  # the upstream addresses nginx tried, in order (its log)
+    get_tried: list[str]
+    post_line: str
+
+
+async def _probe_beside(stack: Stack, kind: str) -> tuple[str, list[Probe]]:
+    """With the decoy `kind` among the replicas: RETRY_PROBES POSTs and GETs in a row (nginx
+    goes round its upstreams when none is busy), each as the client got it and as nginx
+    logged it. The decoy's address, and the probes."""
+    network = f"{PROJECT}_default"
+    command = ["docker", "run", "--detach", "--rm", "--network", network, "--network-alias", "ecoscan"]
+    label = ["--label", f"ecoscan-compose-test-decoy={kind}"]
+    decoy = _checked([*command, *label, stack.base_image, "python3", "-c", DECOYS[kind]]).strip()
+    try:
+        address = await asyncio.to_thread(stack.address, decoy)
+        await asyncio.to_thread(_balancer_lists, stack, {address})
+        async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(30, connect=10)) as client:
+            # POSTs, then GETs, each in a row: with none open, nginx takes its upstreams
+            # in turn, so each kind meets the decoy (alternating them could keep the
+            # decoy's turn for one kind). A POST refused at once by a replica (422, a
+            # number for a text): the retry rules are the same for any POST, and no scan
+            # is started.
+            posts = [
+                await client.post(f"{SCAN_URL}?probe={kind}{n}", json={"user_input": 1})
+                for n in range(RETRY_PROBES)
+            ]
+            gets = [await client.get(f"/api/v1/scan/categories?probe={kind}{n}") for n in range(RETRY_PROBES)]
+        answers = list(zip(posts, gets, strict=True))
+        logged = {
+            (m[1], m[2]): (line, [a.strip().rsplit(":", 1)[0] for a in m[3].split(",")])
+            for line in _balancer_log(stack)
+            if (m := re.search(rf'"(POST|GET) \S+\?probe={kind}(\d+) .*upstream=(.*) upstream_status=', line))
+        }
+    finally:
+        _run(["docker", "rm", "--force", decoy], timeout=60)
+    await asyncio.to_thread(_balancer_lists, stack, set())
+    probes = [
+        Probe(post, get, logged["POST", str(n)][1], logged["GET", str(n)][1], logged["POST", str(n)][0])
+        for n, (post, get) in enumerate(answers)
+    ]
+    return address, probes
+
+
+async def test_a_post_goes_to_a_second_replica_only_if_it_never_reached_the_first(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """nginx passes a POST on after a refused connection, never after its bytes went to an
+    upstream (that one may have started the scan): the client gets the balancer's JSON 502
+    instead. A GET is passed on in both cases."""
+    examples = []
+    for kind in DECOYS:
+        decoy, probes = await _probe_beside(stack, kind)
+        replicas_answer = {
+            (p.post.status_code, p.post.json()["code"]) for p in probes if p.post_tried[0] != decoy
+        }
+        assert replicas_answer == {(422, "INVALID_REQUEST")}, replicas_answer
+        hit = [p for p in probes if p.post_tried[0] == decoy]
+        assert hit, f"no POST went to the decoy that {kind}: {[p.post_line for p in probes]}"
+        for probe in hit:
+            if kind == "refuses":  # never reached it: passed on, and a replica answered
+                assert len(probe.post_tried) == 2 and probe.post_tried[1] != decoy, probe.post_line
+                assert (probe.post.status_code, probe.post.json()["code"]) == (422, "INVALID_REQUEST")
+            else:  # sent, then cut: not sent again; the balancer's JSON 502
+                assert probe.post_tried == [decoy], probe.post_line
+                assert probe.post.status_code == 502, probe.post.text
+                assert probe.post.json()["code"] == "SERVICE_UNAVAILABLE"
+                assert int(probe.post.headers["retry-after"]) >= 1
+        for probe in probes:  # a GET is passed on either way
+            assert probe.get.status_code == 200 and probe.get_tried[-1] != decoy, probe.get_tried
+        assert any(p.get_tried[0] == decoy for p in probes), [p.get_tried for p in probes]
+        examples.append(f"decoy that {kind}: {hit[0].post_line}")
+    with capsys.disabled():
+        print("\n[compose] " + "\n[compose] ".join(examples))
+
+
+def _balancer_lists(stack: Stack, decoys: set[str], timeout: float = 60.0) -> None:
+    """Until the balancer's last upstream list holds exactly these decoys' addresses."""
+    deadline = time.monotonic() + timeout
+    listed: set[str] = set()
+    while time.monotonic() < deadline:
+        upstreams = [line for line in _balancer_log(stack) if line.startswith("ecoscan-lb: upstream ")]
+        listed = set(upstreams[-1].split(":", 2)[2].replace("(reloaded)", "").split())
+        replicas = {stack.address(c) for c in stack.containers("ecoscan")} - {""}
+        if listed == replicas | decoys:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the balancer lists {sorted(listed)}, not the replicas and {sorted(decoys)}")
+
+
+async def _raw_request(stack: Stack, request: bytes) -> bytes:
+    """Bytes as sent (no client library would send them), the answer until nginx closes."""
+    host, port = stack.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        async with asyncio.timeout(30):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+@dataclass
+class AnonymousScan:
+    scan_id: str
+    token: str
+
+
+def scan_of(anonymous: AnonymousScan) -> str:
+    return f"/api/v1/scan/{anonymous.scan_id}"
+
+
+async def _scan_anonymously(client: httpx.AsyncClient, seed: int) -> AnonymousScan:
+    body = {"image_url": data_url(make_jpeg(seed)), "user_input": "어떻게 버리나요?"}
+    reading = Reading()
+    async with client.stream("POST", SCAN_URL, json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        token = response.headers["x-scan-token"]
+        await _read(response, reading)
+    _assert_done(reading)
+    return AnonymousScan(response.headers["x-scan-id"], token)
+
+
+async def _alerts(stack: Stack, name: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=stack.prometheus_url, timeout=10) as client:
+        response = await client.get("/api/v1/alerts")
+    response.raise_for_status()
+    return [a for a in response.json()["data"]["alerts"] if a["labels"]["alertname"] == name]
+
+
+async def test_a_replica_stopped_for_good_raises_the_replicas_missing_alert(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`docker kill` is a stop by hand to Docker: the container stays Exited (137), its
+    address leaves DNS, its `up` series ends (it never reports 0). The count against the
+    replicas expected sees it; the alert is pending at the next evaluation (15 s)."""
+    await _eventually_targets(stack, {f"{stack.address(c)}:8000" for c in stack.containers("ecoscan")})
+    await _eventually(
+        lambda: _alerts(stack, "EcoscanReplicasMissing"), lambda a: a == [], "no replica missing", 120
+    )
+    victim = stack.containers("ecoscan")[-1]
+    restarts = int(stack.inspect(victim, "{{.RestartCount}}"))
+    started = time.monotonic()
+    _checked(["docker", "kill", victim])
+    alerts = await _eventually(
+        lambda: _alerts(stack, "EcoscanReplicasMissing"), lambda a: len(a) == 1, "EcoscanReplicasMissing", 120
+    )
+    took = time.monotonic() - started
+    (alert,) = alerts
+    assert alert["state"] in ("pending", "firing"), alert
+    assert alert["annotations"]["runbook_url"] == "docs/runbooks.md#ecoscanreplicasmissing"
+    assert float(alert["value"]) == REPLICAS - 1, alert
+    # ...and nothing restarted it: what docs/deploy.md says of `docker kill`.
+    state = stack.inspect(victim, "{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}").split()
+    assert state == ["exited", "137", str(restarts)], state
+    with capsys.disabled():
+        print(
+            f"\n[compose] replica killed for good: EcoscanReplicasMissing {alert['state']} after {took:.1f} s"
+        )
+
+
+async def test_with_no_replica_left_the_balancer_answers_in_the_apis_json(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last test: it stops every replica. nginx still holds their addresses (its
+    entrypoint keeps the last set it resolved), so it tries them and fails: its own 502 or
+    504, which must be the API's JSON with Retry-After."""
+    replicas = stack.containers("ecoscan")
+    _checked(["docker", "kill", *[c for c in replicas if stack.inspect(c, "{{.State.Running}}") == "true"]])
+    body = {"image_url": data_url(make_jpeg(9)), "user_input": "?"}
+    async with httpx.AsyncClient(base_url=stack.url, timeout=httpx.Timeout(60, connect=10)) as client:
+        answers = [
+            await client.post(SCAN_URL, json=body, headers=stack.auth("compose-late")),
+            await client.get("/api/v1/scan/categories"),
+        ]
+    for answer in answers:
+        assert answer.status_code in (502, 504), answer.text
+        assert answer.headers["content-type"].startswith("application/json"), answer.headers
+        code = {502: "SERVICE_UNAVAILABLE", 504: "GATEWAY_TIMEOUT"}[answer.status_code]
+        assert answer.json() == {"detail": answer.json()["detail"], "code": code}, answer.text
+        assert int(answer.headers["retry-after"]) >= 1
+    with capsys.disabled():
+        print(f"\n[compose] no replica: {[(a.status_code, a.json()['code']) for a in answers]}")

@@ -14,8 +14,13 @@ offline with the real tools where they exist and with schemas always.
   not among them, by hand), then what keeps production safe (no demo object in the base,
   the demo fenced in its namespace), the drain, keep-alive and connection arithmetic,
   probes, TLS, who may connect, and the references between them.
-- the dashboard: every PromQL expression parses (promql-parser) and names only metrics a
-  running service exports (scraped from /metrics after a scan) with labels they carry.
+- the edge (nginx, the Ingress): identity headers dropped, AUTH_MODE=jwt in every kit,
+  /readyz and /metrics unrouted, nginx's own errors in the API's JSON, POSTs never
+  re-sent, scan tokens out of the access log; Redis with a password, secrets as files,
+  the pods' egress.
+- the dashboard and the alerts: every PromQL expression parses (promql-parser) and names
+  only metrics a running service exports (scraped from /metrics after a scan) with labels
+  they carry; promtool unit-tests every alert firing and silent, each links its runbook.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import re
 import shutil
 import subprocess
+import tempfile
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from importlib import resources
@@ -44,6 +50,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.errors import Overloaded
+from app.http.head_limits import MAX_REQUEST_HEAD_BYTES
 from app.http.protocol import HttpToolsProtocol
 from app.images.limits import ImageLimits
 from app.intake.parsing import InputLimits
@@ -125,7 +132,11 @@ ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 ALERTS_TESTS = DEPLOY / "prometheus" / "alerts.test.yml"
 # Series alert rules may use from another exporter, with their labels: kube-state-metrics',
 # which a Kubernetes Prometheus scrapes (compose's has none: those rules stay silent there).
-OTHER_EXPORTERS = {"kube_pod_status_ready": frozenset({"namespace", "pod", "uid", "condition"})}
+OTHER_EXPORTERS = {
+    "kube_pod_status_ready": frozenset({"namespace", "pod", "uid", "condition"}),
+    "kube_deployment_spec_replicas": frozenset({"namespace", "deployment"}),
+}
+RUNBOOKS = REPO / "docs" / "runbooks.md"
 # What the alert rules must watch (issue: alerts that are tested).
 ALERTS_MUST_WATCH = frozenset(
     {
@@ -138,6 +149,11 @@ ALERTS_MUST_WATCH = frozenset(
         "ecoscan_budget_redis_calls_total",
         "ecoscan_user_caps_redis_errors_total",
         "kube_pod_status_ready",
+        # Replicas lost for good, scans' success and first events (their SLOs).
+        "up",
+        "ecoscan_scans_total",
+        "ecoscan_scan_first_event_seconds_bucket",
+        "ecoscan_scan_first_event_seconds_count",
     }
 )
 # Grafana's variables, replaced by something PromQL parses.
@@ -409,6 +425,16 @@ def test_each_replica_gets_settings_the_service_accepts(compose: dict[str, Any],
         "/" + database_env["POSTGRES_DB"],
     )
     assert settings.redis_prefix
+    # Redis asks for a password, the one in the replicas' redis_url: both files from
+    # deploy/make-secrets.sh, the server's read from its secret file, in protected mode.
+    redis_password = (secrets_dir / "redis_password").read_text().strip()
+    assert len(redis_password) >= 32
+    assert urllib.parse.urlsplit(settings.redis_url).password == redis_password
+    assert "redis_password" in services["redis"]["secrets"]
+    (script,) = [part for part in services["redis"]["command"] if "redis-server" in part]
+    assert "--protected-mode yes" in script
+    assert "requirepass $(cat /run/secrets/redis_password)" in script  # $$ in the file
+    assert "redis_password" in " ".join(services["redis"]["healthcheck"]["test"])
     # The default models' Tier 1 limits (docs/configuration.md, "Models"): gpt-4o-mini has 200k TPM.
     assert (settings.vision_model, settings.answer_model) == ("gpt-4o-mini", "gpt-4o-mini")
     assert (settings.openai_rpm, settings.openai_tpm) == (500, 200_000)
@@ -421,7 +447,7 @@ def test_each_replica_gets_settings_the_service_accepts(compose: dict[str, Any],
 def test_no_secret_is_in_any_environment(compose: dict[str, Any], secrets_dir: Path) -> None:
     """Secrets reach the services as files (compose secrets), never as values."""
     secret_values = {path.read_text().strip() for path in secrets_dir.iterdir()} - {""}
-    secret_names = {"DATABASE_URL", "OPENAI_API_KEY", "AUTH_JWT_SECRET", "POSTGRES_PASSWORD"}
+    secret_names = {"DATABASE_URL", "REDIS_URL", "OPENAI_API_KEY", "AUTH_JWT_SECRET", "POSTGRES_PASSWORD"}
     for name, service in compose["services"].items():
         env = environment(service)
         if name == "ecoscan":
@@ -429,9 +455,6 @@ def test_no_secret_is_in_any_environment(compose: dict[str, Any], secrets_dir: P
         assert not secret_names & env.keys(), f"{name}: {sorted(secret_names & env.keys())}"
         assert not [k for k in env if "PASSWORD" in k and not k.endswith("FILE")], name
         assert not secret_values & set(env.values()), name
-        # Redis is reachable on the compose network only, without a password; one would
-        # make REDIS_URL a secret (REDIS_URL_FILE).
-        assert urllib.parse.urlsplit(env.get("REDIS_URL", "")).password is None, name
         for secret in service.get("secrets", []):
             assert secret in compose["secrets"], f"{name} mounts an undeclared secret {secret}"
     # deploy/make-secrets.sh makes every secret compose.yaml declares, and nothing in git.
@@ -441,29 +464,29 @@ def test_no_secret_is_in_any_environment(compose: dict[str, Any], secrets_dir: P
     assert "deploy/secrets/" in (REPO / ".gitignore").read_text().splitlines()
 
 
-def test_jwt_mode_as_the_env_file_describes_it_starts(compose: dict[str, Any], secrets_dir: Path) -> None:
-    """ecoscan.env's recipe for public use (AUTH_MODE=jwt with the mounted HS256 secret)
-    gives settings the service accepts: a replica started with it does not restart-loop."""
-    recipe = [
-        line.lstrip("#").strip()
-        for line in (DEPLOY / "ecoscan.env").read_text().splitlines()
-        if line.lstrip("#").strip().startswith(("AUTH_MODE=jwt", "AUTH_JWT_SECRET_FILE="))
-    ]
-    assert len(recipe) == 2, recipe
-    env = {**replica_environment(compose, secrets_dir)}
-    for line in recipe:
-        name, value = line.split("=", 1)
-        env[name] = value
-    secret = env["AUTH_JWT_SECRET_FILE"]
-    assert secret == "/run/secrets/auth_jwt_secret"
+def test_replicas_believe_bearer_tokens_not_headers(compose: dict[str, Any], secrets_dir: Path) -> None:
+    """The kit's identity: AUTH_MODE=jwt with the mounted HS256 secret, never gateway (which
+    believes X-User-ID as sent); anonymous callers keyed by the address the balancer
+    alone may vouch for."""
+    env = replica_environment(compose, secrets_dir)
+    settings = settings_from(env, "compose.yaml, services.ecoscan (env_file + environment)")
+    assert settings.auth_mode == "jwt"
+    assert settings.auth_jwt_secret == (secrets_dir / "auth_jwt_secret").read_text().strip()
     assert "auth_jwt_secret" in compose["services"]["ecoscan"]["secrets"]
-    env["AUTH_JWT_SECRET_FILE"] = str(secrets_dir / "auth_jwt_secret")
-    settings = settings_from(env, "ecoscan.env with its AUTH_MODE=jwt lines")
-    assert settings.auth_mode == "jwt" and settings.auth_jwt_secret
+    # Anonymous callers are allowed (the page), so their key, the client's address, must be
+    # the balancer's X-Forwarded-For and nobody else's.
+    assert settings.auth_allow_anonymous is True
+    # Rotating identities must not buy more scans: a rate and a daily quota per caller.
+    assert settings.user_scan_rate_per_min > 0 and settings.user_daily_scan_quota > 0
+    assert env["FORWARDED_ALLOW_IPS"] == compose["services"]["lb"]["networks"]["default"]["ipv4_address"]
+    assert "X-Forwarded-For $remote_addr" in nginx_directives()["proxy_set_header"]
 
 
 def test_the_network_and_the_balancers_address(compose: dict[str, Any], secrets_dir: Path) -> None:
     services = compose["services"]
+    # Published on this machine only unless asked: plain HTTP carries bearer tokens.
+    (published,) = services["lb"]["ports"]
+    assert published == "127.0.0.1:8080:80", published
     env = replica_environment(compose, secrets_dir)
     # Only the balancer's X-Forwarded-For is believed, and its address is fixed: in the
     # network's subnet, outside the range other containers' addresses come from.
@@ -547,19 +570,115 @@ def test_load_balancer_is_configured_for_sse(compose: dict[str, Any]) -> None:
     assert "X-Forwarded-For $remote_addr" in d["proxy_set_header"]
 
 
-def test_load_balancer_takes_the_largest_body_and_retries_only_refusals() -> None:
+def test_load_balancer_takes_the_largest_body_and_retries_only_what_never_started() -> None:
     d = nginx_directives()
     limit = size_bytes(d["client_max_body_size"][0])
     largest = max_body_bytes(Settings())
     # The service answers oversized bodies itself (JSON 413): nginx must let them through.
     assert largest <= limit <= 2 * largest
-    retried_on = d["proxy_next_upstream"][0].split()
-    assert {"error", "http_503", "non_idempotent"} <= set(retried_on)
+    (retried_on,) = [value.split() for value in d["proxy_next_upstream"]]
+    assert {"error", "http_503"} <= set(retried_on)
+    # A POST sent to a replica may have started a scan there: passed on only when it
+    # never reached one (nginx's default for non-idempotent methods).
+    assert "non_idempotent" not in retried_on
     assert not {"http_500", "http_502", "http_504", "http_429"} & set(retried_on)
     assert 2 <= int(d["proxy_next_upstream_tries"][0]) <= 3
     # A request retried elsewhere must be whole: nginx buffers it before passing it on.
     assert d.get("proxy_request_buffering", ["on"]) == ["on"]
     assert "max_fails=0" in nginx_block("upstream ecoscan")
+
+
+def public_server() -> str:
+    """The text of nginx.conf's public `server { listen 80; ... }` block (nested blocks too)."""
+    text = re.sub(r"#[^\n]*", "", NGINX_CONF.read_text())
+    start = text.index("listen 80;")
+    depth, end = 1, start
+    while depth:
+        end += 1
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+    return text[start:end]
+
+
+def nginx_location(server: str, name: str) -> str:
+    # The block ends at a line holding only its `}` (a JSON body's braces are inside quotes).
+    match = re.search(r"location\s+" + re.escape(name) + r"\s*\{(?P<body>.*?)^\s*\}\s*$", server, re.M | re.S)
+    assert match, f"no `location {name}` in the public server"
+    return match["body"]
+
+
+def test_balancer_drops_identity_headers_a_client_sends() -> None:
+    """An empty proxy_set_header value removes the header: whatever a client puts in
+    X-User-ID or X-Gateway-Secret never reaches a replica (tests/test_compose_up.py
+    checks it through the running stack)."""
+    proxied = nginx_location(public_server(), "/")
+    assert re.search(r'proxy_set_header\s+X-User-ID\s+"";', proxied)
+    assert re.search(r'proxy_set_header\s+X-Gateway-Secret\s+"";', proxied)
+
+
+def test_balancer_routes_neither_readiness_nor_metrics() -> None:
+    server = public_server()
+    for private in ("/readyz", "/metrics"):
+        body = nginx_location(server, "= " + private)
+        assert "proxy_pass" not in body and re.search(r"return\s+404\s+'\{", body), private
+    # The balancer's own health check reads /readyz on loopback only.
+    text = re.sub(r"#[^\n]*", "", NGINX_CONF.read_text())
+    assert re.search(r"listen\s+127\.0\.0\.1:8081;", text)
+    assert "http://127.0.0.1:8081/readyz" in " ".join(compose_lb_healthcheck())
+
+
+def compose_lb_healthcheck() -> list[str]:
+    test: list[str] = load_yaml(COMPOSE_FILE)["services"]["lb"]["healthcheck"]["test"]
+    return test
+
+
+def test_balancer_errors_are_the_apis_json_with_retry_after() -> None:
+    """nginx's own 502/503/504 (no replica, or none in time), 400, 408, 413 and 414 answer like the
+    service: JSON {"detail", "code"}, with codes docs/api.md lists, and Retry-After on the
+    retryable ones."""
+    server = public_server()
+    api = (REPO / "docs" / "api.md").read_text()
+    pages = {
+        status: location
+        for statuses, location in re.findall(r"error_page\s+([\d\s]+?)\s+=?\s*(@\w+);", server)
+        for status in statuses.split()
+    }
+    assert set(pages) == {"400", "408", "413", "414", "494", "502", "503", "504"}, pages
+    # nginx's 494 (a header line over its buffers) and 414 (a request line over them) are
+    # the service's 431.
+    sent_as = {"494": "431", "414": "431"}
+    for status, location in pages.items():
+        body = nginx_location(server, location)
+        assert "default_type application/json;" in body
+        match = re.search(r"return\s+(\d+)\s+'(?P<json>[^']*)';", body)
+        assert match and match[1] == sent_as.get(status, status), body
+        answer = json.loads(match["json"])
+        assert set(answer) == {"detail", "code"}, answer
+        row = f"| {match[1]} | `{answer['code']}` |"
+        assert row in api, f"{answer['code']} ({match[1]}) not in docs/api.md"
+        retryable = status.startswith("5")
+        assert bool(re.search(r"add_header\s+Retry-After\s+\d+\s+always;", body)) == retryable, location
+    # The longest header line nginx takes is the service's whole head limit.
+    (buffers,) = nginx_directives()["large_client_header_buffers"]
+    assert size_bytes(buffers.split()[1]) == MAX_REQUEST_HEAD_BYTES
+
+
+def test_balancer_log_keeps_scan_tokens_out() -> None:
+    """The access log records the path and the query, but a query carrying a scan's
+    capability token (`?token=`, any case, or its name percent-escaped) as [redacted]."""
+    directives = nginx_directives()
+    (log_format,) = directives["log_format"]
+    assert "$request " not in log_format + " " and "$request_uri" not in log_format
+    assert "$args " not in log_format + " " and "$query_string" not in log_format
+    assert "$http_" not in log_format  # no header: X-Scan-Token, Authorization, Referer
+    text = re.sub(r"#[^\n]*", "", NGINX_CONF.read_text())
+    match = re.search(r"map\s+\$args\s+\$args_for_log\s*\{(?P<body>[^}]*)\}", text)
+    assert match and "$args_for_log" in log_format
+    (pattern,) = re.findall(r'"~\*([^"]+)"\s+"\[redacted\]";', match["body"])
+    scrub = re.compile(pattern, re.IGNORECASE)
+    for query in ("token=abc", "after=3&token=abc", "TOKEN=abc", "%74oken=abc", "a=1&to%6Ben=x"):
+        assert scrub.search(query), query
+    for query in ("after=3", "limit=10&after=2", ""):
+        assert not scrub.search(query), query
 
 
 # --------------------------------------------------------------------------- prometheus / grafana
@@ -617,12 +736,16 @@ def test_alert_unit_tests_fail_a_broken_rule(tmp_path: Path) -> None:
     assert result.returncode != 0 and "EcoscanEventLoopLagHigh" in result.stdout + result.stderr
 
 
+def alert_rules() -> list[dict[str, Any]]:
+    return [rule for group in load_yaml(ALERTS)["groups"] for rule in group["rules"] if "alert" in rule]
+
+
 def test_every_alert_is_tested_firing_and_silent() -> None:
-    rules = [rule for group in load_yaml(ALERTS)["groups"] for rule in group["rules"]]
+    rules = alert_rules()
     alerts = {rule["alert"] for rule in rules}
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
-        assert {"summary", "description"} <= rule["annotations"].keys(), rule["alert"]
+        assert {"summary", "description", "runbook_url"} <= rule["annotations"].keys(), rule["alert"]
     fired: set[str] = set()
     silent: set[str] = set()
     for case in load_yaml(ALERTS_TESTS)["tests"]:
@@ -631,6 +754,27 @@ def test_every_alert_is_tested_firing_and_silent() -> None:
     assert alerts <= fired, f"never seen firing: {sorted(alerts - fired)}"
     assert alerts <= silent, f"never seen silent: {sorted(alerts - silent)}"
     assert fired | silent <= alerts, f"tests of no rule: {sorted((fired | silent) - alerts)}"
+
+
+def markdown_anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped,
+    spaces to dashes)."""
+    headings = re.findall(r"(?m)^#{1,6}\s+(.+?)\s*$", text)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_alert_links_its_runbook() -> None:
+    """runbook_url is docs/runbooks.md#<the alert's section>, and that section says what
+    it means, what to check and what to do."""
+    text = RUNBOOKS.read_text()
+    anchors = markdown_anchors(text)
+    for rule in alert_rules():
+        path, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+        assert path == "docs/runbooks.md" and anchor in anchors, rule["alert"]
+        assert anchor == rule["alert"].lower(), rule["alert"]
+        section = text.split(f"## {rule['alert']}\n", 1)[1].split("\n## ", 1)[0]
+        for part in ("**What it means.**", "**What to check.**", "**What to do.**"):
+            assert part in section, f"{rule['alert']}: no {part}"
 
 
 def provisioned_datasource() -> dict[str, Any]:
@@ -859,6 +1003,9 @@ async def test_dashboard_charts_only_metrics_the_service_exports(exposition: tup
 
 async def test_alert_rules_watch_only_metrics_the_service_exports(exposition: tuple[str, Metrics]) -> None:
     series: dict[str, set[str] | frozenset[str]] = {**exported_series(*exposition), **OTHER_EXPORTERS}
+    # What the recording rules make (each a sum over every replica: no labels).
+    recorded = [rule for group in load_yaml(ALERTS)["groups"] for rule in group["rules"] if "record" in rule]
+    series.update({rule["record"]: frozenset() for rule in recorded})
     watched: set[str] = set()
     problems: list[str] = []
     for name, query in alert_queries():
@@ -967,7 +1114,7 @@ def test_k8s_schema_check_rejects_broken_manifests() -> None:
         ("readinessProbe:", "readinesProbe:"),
         ("terminationGracePeriodSeconds: 45", "terminationGracePeriodSeconds: soon"),
         ("maxUnavailable: 0", "maxUnavailable: [0]"),
-        ("secretKeyRef:", "secretKeyReference:"),
+        ("secretName: ecoscan-secrets", "secretname: ecoscan-secrets"),
     ):
         assert k8s_errors(yaml.safe_load(mutated(text, old, new)), K8S_VERSIONS[-1]), f"accepted {new!r}"
 
@@ -1014,14 +1161,16 @@ def test_k8s_base_holds_only_what_production_runs() -> None:
         assert "namespace" not in document["metadata"], document["kind"]
     (container,) = the("Deployment", found)["spec"]["template"]["spec"]["containers"]
     assert [s for s in container["envFrom"] if "secretRef" in s] == []
-    from_secret = {
-        item["name"]: item["valueFrom"]["secretKeyRef"]
-        for item in container["env"]
-        if "secretKeyRef" in item.get("valueFrom", {})
-    }
-    assert set(from_secret) >= {"DATABASE_URL", "REDIS_URL", "OPENAI_API_KEY"}
-    for name, ref in from_secret.items():
-        assert ref["key"] == name and not ref.get("optional", False), name
+    # Every key mounted by name, none optional: a missing one stops the pod from starting.
+    (volume,) = [v for v in the("Deployment", found)["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    secret = volume["secret"]
+    assert not secret.get("optional", False)
+    assert {item["key"] for item in secret["items"]} == OPERATORS_SECRET.keys()
+    settings = base_settings()
+    assert settings.database_url == OPERATORS_SECRET["DATABASE_URL"]
+    assert settings.redis_url == OPERATORS_SECRET["REDIS_URL"]
+    assert settings.openai_api_key == OPERATORS_SECRET["OPENAI_API_KEY"]
+    assert settings.auth_jwt_secret == OPERATORS_SECRET["AUTH_JWT_SECRET"]
 
 
 def test_k8s_dev_overlay_is_the_base_plus_the_demo_in_its_own_namespace() -> None:
@@ -1056,19 +1205,69 @@ def the_named(kind: str, name: str, found: dict[tuple[str, str], dict[str, Any]]
 
 
 def k8s_env(found: dict[tuple[str, str], dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
-    """The environment the container gets from these objects (the ConfigMap, the Secret)."""
+    """The environment the container gets from these objects (the ConfigMap, literal
+    values), with each `*_FILE` that points into a mounted Secret pointed at a file holding
+    that Secret's value instead (what the kubelet would mount there)."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         env.update(the_named("ConfigMap", source["configMapRef"]["name"], found)["data"])
     for item in container.get("env", []):
-        if "value" in item or "valueFrom" not in item:
-            env[item["name"]] = item.get("value", "")
-            continue
-        ref = item["valueFrom"]["secretKeyRef"]
-        secret = the_named("Secret", ref["name"], found)["stringData"]
-        assert ref["key"] in secret, f"the Secret {ref['name']} has no key {ref['key']}"
-        env[item["name"]] = secret[ref["key"]]
+        assert "valueFrom" not in item, f"{item['name']}: a secret in the environment, not a file"
+        env[item["name"]] = item.get("value", "")
+    files = mounted_secret_files(found, container)
+    for name, value in env.items():
+        if name.endswith("_FILE") and value.startswith("/run/secrets/"):
+            assert value in files, f"{name}={value}: no mounted Secret key there"
+            env[name] = str(files[value])
     return env
+
+
+K8S_SECRET_FILES = Path(tempfile.mkdtemp(prefix="ecoscan-k8s-secrets-"))
+
+
+def mounted_secret_files(
+    found: dict[tuple[str, str], dict[str, Any]], container: dict[str, Any]
+) -> dict[str, Path]:
+    """Path in the container -> a local file with that Secret key's value, for every
+    Secret volume the container mounts (only its `items`, as the kubelet mounts them)."""
+    pod = next(
+        d["spec"]["template"]["spec"]
+        for (kind, _), d in found.items()
+        if kind == "Deployment" and container in d["spec"]["template"]["spec"]["containers"]
+    )
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    files: dict[str, Path] = {}
+    for mount in container.get("volumeMounts", []):
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None:
+            continue
+        assert mount.get("readOnly") is True, mount
+        data = the_named("Secret", secret["secretName"], found).get("stringData", {})
+        for item in secret["items"]:
+            assert item["key"] in data, f"the Secret {secret['secretName']} has no key {item['key']}"
+            local = K8S_SECRET_FILES / secret["secretName"] / item["path"]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(data[item["key"]] + "\n")
+            files[f"{mount['mountPath']}/{item['path']}"] = local
+    return files
+
+
+# A Secret of the operator's, as deployment.yaml's comment shows how to create it: the base
+# has none, and its pods read every key of it.
+OPERATORS_SECRET = {
+    "DATABASE_URL": "postgresql://ecoscan:pw@db.example.internal:5432/ecoscan",
+    "REDIS_URL": "redis://:pw@redis.example.internal:6379/0",
+    "OPENAI_API_KEY": "sk-test",
+    "AUTH_JWT_SECRET": "0123456789abcdef" * 4,
+}
+
+
+def base_settings() -> Settings:
+    """The base's pods' settings, with the operator's Secret beside them."""
+    found = objects(K8S_BASE)
+    secret = {"kind": "Secret", "metadata": {"name": "ecoscan-secrets"}, "stringData": OPERATORS_SECRET}
+    found["Secret", "ecoscan-secrets"] = secret
+    return settings_from(k8s_env(found, ecoscan_container(found)), "deploy/k8s/base + a Secret")
 
 
 def k8s_settings(found: dict[tuple[str, str], dict[str, Any]], container: dict[str, Any]) -> Settings:
@@ -1104,14 +1303,26 @@ def test_k8s_dev_secret_points_at_the_demo_services() -> None:
     assert db_port == postgres["spec"]["ports"][0]["port"]
     (server,) = the_named("Deployment", str(db_host), found)["spec"]["template"]["spec"]["containers"]
     server_env = {item["name"]: item["value"] for item in server["env"]}
+    server_files = mounted_secret_files(found, server)
     db_url = urllib.parse.urlsplit(settings.database_url)
     assert (db_url.username, db_url.password, db_url.path) == (
         server_env["POSTGRES_USER"],
-        server_env["POSTGRES_PASSWORD"],
+        server_files[server_env["POSTGRES_PASSWORD_FILE"]].read_text().strip(),
         "/" + server_env["POSTGRES_DB"],
     )
+    # Redis: the password in REDIS_URL is the one the demo server requires, read from
+    # its own mount of the Secret, in protected mode.
     redis_host, redis_port = url_host_port(settings.redis_url)
     assert redis_port == the_named("Service", str(redis_host), found)["spec"]["ports"][0]["port"]
+    (redis,) = the_named("Deployment", str(redis_host), found)["spec"]["template"]["spec"]["containers"]
+    script = " ".join(redis["command"])
+    (password_file,) = re.findall(r"requirepass \$\(cat (\S+)\)", script)
+    redis_password = urllib.parse.urlsplit(settings.redis_url).password
+    assert (
+        redis_password
+        and mounted_secret_files(found, redis)[password_file].read_text().strip() == redis_password
+    )
+    assert "--protected-mode yes" in script and "env" not in redis
     # The demo PostgreSQL takes the most pods there can be.
     args = server["args"]
     max_connections = int(args[args.index("-c") + 1].split("=", 1)[1])
@@ -1139,8 +1350,7 @@ def test_k8s_database_connections_fit_a_managed_postgres() -> None:
     most pods there can be, within a managed PostgreSQL's 100 connections less its
     superuser reservation and room for everything else."""
     found = objects(K8S_BASE)
-    data = the_named("ConfigMap", "ecoscan-settings", found)["data"]
-    settings = Settings.from_env(data)
+    settings = base_settings()
     pool = fixed_pool(settings)
     per_pod = pool + 1  # the pool, and the rule cache's LISTEN connection
     available = MANAGED_POSTGRES_MAX_CONNECTIONS - POSTGRES_RESERVED_CONNECTIONS - OTHER_DATABASE_CLIENTS
@@ -1197,7 +1407,7 @@ def test_k8s_only_the_ingress_controller_and_prometheus_reach_the_pods() -> None
     pod_labels = the("Deployment", found)["spec"]["template"]["metadata"]["labels"]
     policy = the("NetworkPolicy", found)["spec"]
     assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
-    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"]
     (rule,) = policy["ingress"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
     peers = {
@@ -1215,6 +1425,57 @@ def test_k8s_only_the_ingress_controller_and_prometheus_reach_the_pods() -> None
     for entry in trusted.split(","):
         network = ipaddress.ip_network(entry.strip())  # never "*"
         assert network.is_private and network.prefixlen >= 12, f"{network}: a pod CIDR, not a whole range"
+
+
+def test_k8s_pods_reach_only_dns_the_stores_and_public_https() -> None:
+    """Egress: DNS to the cluster's DNS pods, PostgreSQL and Redis by port, 443 to public
+    addresses only: not the metadata service, the API server or other pods' HTTPS."""
+    policy = the("NetworkPolicy", objects(K8S_BASE))["spec"]
+    rules = policy["egress"]
+    ports = [{(p["port"], p["protocol"]) for p in rule["ports"]} for rule in rules]
+    assert ports == [{(53, "UDP"), (53, "TCP")}, {(5432, "TCP"), (6379, "TCP")}, {(443, "TCP")}]
+    (dns,) = rules[0]["to"]
+    assert dns["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kube-system"}
+    assert dns["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+    blocks = [peer["ipBlock"] for peer in rules[2]["to"]]
+    assert [b["cidr"] for b in blocks] == ["0.0.0.0/0", "::/0"]
+    for address in ("169.254.169.254", "10.96.0.1", "172.20.0.1", "192.168.1.1", "100.64.0.1", "fd00::1"):
+        ip = ipaddress.ip_address(address)
+        block = next(b for b in blocks if ipaddress.ip_network(b["cidr"]).version == ip.version)
+        assert any(ip in ipaddress.ip_network(e) for e in block["except"]), f"443 reaches {address}"
+    public = ipaddress.ip_address("104.18.7.192")  # api.openai.com's CDN
+    assert not any(public in ipaddress.ip_network(e) for e in blocks[0]["except"])
+
+
+@pytest.mark.parametrize("kustomization", [K8S_BASE, K8S_DEV], ids=["base", "dev"])
+def test_k8s_no_path_from_the_ingress_to_gateway_trust(kustomization: Path) -> None:
+    """Every rendered kit authenticates bearer tokens (AUTH_MODE=jwt with its key mounted
+    as a file): nothing believes an X-User-ID that came through the Ingress. Secrets are
+    files, none in any container's environment."""
+    found = objects(kustomization)
+    config = the_named("ConfigMap", "ecoscan-settings", found)["data"]
+    assert config["AUTH_MODE"] == "jwt"
+    assert "AUTH_GATEWAY_SECRET" not in config and "AUTH_GATEWAY_SECRET_FILE" not in config
+    container = ecoscan_container(found)
+    env = {item["name"]: item for item in container["env"]}
+    assert env["AUTH_JWT_SECRET_FILE"]["value"].startswith("/run/secrets/")
+    assert "AUTH_MODE" not in env  # the ConfigMap's, not overridden
+    for doc in found.values():
+        if doc["kind"] != "Deployment":
+            continue
+        for each in doc["spec"]["template"]["spec"]["containers"]:
+            for item in each.get("env", []):
+                assert "valueFrom" not in item, f"{doc['metadata']['name']}: {item['name']} from a Secret"
+            assert "envFrom" not in each or all("secretRef" not in s for s in each["envFrom"])
+    if (("Secret", "ecoscan-secrets")) in found:
+        settings = k8s_settings(found, container)
+        assert settings.auth_mode == "jwt" and settings.auth_jwt_secret
+        assert settings.auth_allow_anonymous is True
+        assert settings.user_scan_rate_per_min > 0 and settings.user_daily_scan_quota > 0
+    # The Ingress routes no probe, and retries a POST only when no pod got it.
+    ingress = the("Ingress", found)
+    retries = ingress["metadata"]["annotations"]["nginx.ingress.kubernetes.io/proxy-next-upstream"]
+    assert "non_idempotent" not in retries.split()
 
 
 def test_k8s_probes_and_references_agree() -> None:
@@ -1258,7 +1519,7 @@ def test_k8s_probes_and_references_agree() -> None:
     assert annotations["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
     assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 3600
     body_limit = size_bytes(annotations["nginx.ingress.kubernetes.io/proxy-body-size"])
-    assert body_limit >= max_body_bytes(Settings.from_env(the("ConfigMap", found)["data"]))
+    assert body_limit >= max_body_bytes(base_settings())
     for rule in ingress["spec"]["rules"]:
         for path in rule["http"]["paths"]:
             backend = path["backend"]["service"]

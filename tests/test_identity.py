@@ -30,13 +30,21 @@ from starlette.routing import Route
 
 from app.errors import (
     EcoscanError,
+    GatewaySecretInvalid,
     InvalidRequest,
     ServerBusy,
     TokenExpired,
     TokenInvalid,
     Unauthorized,
 )
-from app.intake.identity import LEEWAY_S, MAX_USER_ID_CHARS, Authenticator, Caller
+from app.intake.identity import (
+    LEEWAY_S,
+    MAX_USER_ID_CHARS,
+    Authenticator,
+    Caller,
+    anonymous_caller,
+    named_caller,
+)
 from app.runtime.serving import serve_in_loop
 from app.settings import Settings, SettingsError
 
@@ -156,10 +164,10 @@ def jwks_file(tmp_path: Path, document: Any) -> str:
 async def test_gateway_takes_x_user_id_as_said() -> None:
     async with authenticator() as auth:
         assert auth.mode == "gateway" and auth.allow_anonymous
-        assert await auth.caller(request({"X-User-ID": "  alice  "})) == Caller("alice", "alice")
+        assert await auth.caller(request({"X-User-ID": "  alice  "})) == named_caller("alice")
         # A gateway may pass Authorization through: it is not ours to read.
-        assert await auth.caller(request({"X-User-ID": "bob", "Authorization": "Bearer x"})) == Caller(
-            "bob", "bob"
+        assert await auth.caller(request({"X-User-ID": "bob", "Authorization": "Bearer x"})) == named_caller(
+            "bob"
         )
 
 
@@ -168,8 +176,8 @@ async def test_gateway_without_user_is_anonymous_keyed_by_address(value: str | N
     headers = {} if value is None else {"X-User-ID": value}
     async with authenticator() as auth:
         caller = await auth.caller(request(headers))
-        assert caller == Caller(None, "anon:203.0.113.9") and caller.anonymous
-        assert await auth.caller(request(headers, client=None)) == Caller(None, "anon:-")
+        assert caller == Caller(None, "a:203.0.113.9", "a:203.0.113.9") and caller.anonymous
+        assert await auth.caller(request(headers, client=None)) == Caller(None, "a:-", "a:-")
 
 
 @pytest.mark.parametrize("value", ["x" * (MAX_USER_ID_CHARS + 1), "tab\there", "bell\x07"])
@@ -185,10 +193,107 @@ async def test_gateway_refuses_unprintable_or_long_user_ids(value: str) -> None:
 async def test_gateway_without_anonymous_requires_a_user() -> None:
     async with authenticator(auth_allow_anonymous=False) as auth:
         error = await refused(auth, request())
-        assert await auth.caller(request({"X-User-ID": "carol"})) == Caller("carol", "carol")
+        assert await auth.caller(request({"X-User-ID": "carol"})) == named_caller("carol")
     assert isinstance(error, Unauthorized) and not isinstance(error, TokenInvalid)
     assert (error.status, error.code) == (401, "UNAUTHENTICATED")
     assert error.headers() == {"WWW-Authenticate": "Bearer"}
+
+
+GATEWAY_SECRET = "a-gateway-secret-for-tests-0123"
+
+
+async def test_a_user_id_is_never_an_anonymous_callers_key() -> None:
+    """A user may call itself `anon:<address>` (or `a:<address>`): its keys stay a user's."""
+    async with authenticator() as auth:
+        anonymous = await auth.caller(request())
+        for name in ("anon:203.0.113.9", "a:203.0.113.9", "203.0.113.9"):
+            named = await auth.caller(request({"X-User-ID": name}))
+            assert (named.rate_key, named.scope) == (f"u:{name}", f"u:{name}")
+            assert named.rate_key != anonymous.rate_key and named.scope != anonymous.scope
+
+
+@pytest.mark.parametrize(
+    ("host", "rate_key", "scope"),
+    [
+        ("2001:db8:1:2:aaaa::1", "a:2001:db8:1:2::/64", "a:2001:db8:1:2:aaaa::1"),
+        ("2001:db8:1:2:ffff:ffff:ffff:ffff", "a:2001:db8:1:2::/64", "a:2001:db8:1:2:ffff:ffff:ffff:ffff"),
+        ("2001:db8:1:3::1", "a:2001:db8:1:3::/64", "a:2001:db8:1:3::1"),
+        ("::ffff:198.51.100.7", "a:198.51.100.7", "a:198.51.100.7"),
+        ("198.51.100.7", "a:198.51.100.7", "a:198.51.100.7"),
+        ("testclient", "a:testclient", "a:testclient"),
+    ],
+)
+def test_anonymous_ipv6_callers_share_a_rate_key_per_64(host: str, rate_key: str, scope: str) -> None:
+    caller = anonymous_caller(host)
+    assert (caller.rate_key, caller.scope, caller.user_id) == (rate_key, scope, None)
+
+
+async def test_gateway_secret_is_required_with_a_user_id() -> None:
+    async with authenticator(auth_gateway_secret=GATEWAY_SECRET) as auth:
+        proven = {"X-User-ID": "alice", "X-Gateway-Secret": GATEWAY_SECRET}
+        assert await auth.caller(request(proven)) == named_caller("alice")
+        for headers in (
+            {"X-User-ID": "alice"},
+            {"X-User-ID": "alice", "X-Gateway-Secret": GATEWAY_SECRET[:-1]},
+            {"X-User-ID": "alice", "X-Gateway-Secret": GATEWAY_SECRET + "x"},
+            {"X-User-ID": "alice", "X-Gateway-Secret": ""},
+            {"X-User-ID": "", "X-Gateway-Secret": "wrong"},
+            {"X-Gateway-Secret": "wrong"},
+            # An unproven header is refused for what it is, not checked for its form first.
+            {"X-User-ID": "tab\there"},
+        ):
+            error = await refused(auth, request(headers))
+            assert isinstance(error, GatewaySecretInvalid), headers
+            assert (error.status, error.code) == (401, "GATEWAY_SECRET_INVALID")
+            assert "WWW-Authenticate" in error.headers()
+        # Without a user id (the gateway's anonymous callers, with or without its secret).
+        assert await auth.caller(request()) == anonymous_caller(CLIENT[0])
+        only_secret = request({"X-Gateway-Secret": GATEWAY_SECRET})
+        assert await auth.caller(only_secret) == anonymous_caller(CLIENT[0])
+
+
+async def test_gateway_without_a_secret_warns_once_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="app.intake.identity"):
+        async with authenticator() as auth:
+            await auth.caller(request({"X-User-ID": "alice"}))
+            await auth.caller(request({"X-User-ID": "bob"}))
+    warnings = [r.getMessage() for r in caplog.records if "AUTH_GATEWAY_SECRET" in r.getMessage()]
+    assert len(warnings) == 1 and "believed as sent" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="app.intake.identity"):
+        async with authenticator(auth_gateway_secret=GATEWAY_SECRET):
+            pass
+        async with authenticator(**hs_settings()):
+            pass
+    assert not [r for r in caplog.records if "AUTH_GATEWAY_SECRET" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"AUTH_GATEWAY_SECRET": "short"}, "AUTH_GATEWAY_SECRET must be at least 16"),
+        ({"AUTH_GATEWAY_SECRET": "sixteen chars with spaces"}, "AUTH_GATEWAY_SECRET must be visible ASCII"),
+        ({"AUTH_GATEWAY_SECRET": "ünïcödé-sëcrét-lóng"}, "AUTH_GATEWAY_SECRET must be visible ASCII"),
+        (
+            {"AUTH_MODE": "jwt", "AUTH_JWT_SECRET": SECRET, "AUTH_GATEWAY_SECRET": GATEWAY_SECRET},
+            "AUTH_GATEWAY_SECRET only applies with AUTH_MODE=gateway",
+        ),
+    ],
+)
+def test_gateway_secret_settings_are_checked(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env(env)
+
+
+def test_gateway_secret_is_read_from_a_file_and_never_shown(tmp_path: Path) -> None:
+    (tmp_path / "gateway").write_text(GATEWAY_SECRET + "\n")
+    s = Settings.from_env({"AUTH_GATEWAY_SECRET_FILE": str(tmp_path / "gateway")})
+    assert s.auth_gateway_secret == GATEWAY_SECRET
+    assert GATEWAY_SECRET not in repr(s)
+    with pytest.raises(SettingsError, match="AUTH_GATEWAY_SECRET or AUTH_GATEWAY_SECRET_FILE"):
+        Settings.from_env(
+            {"AUTH_GATEWAY_SECRET": GATEWAY_SECRET, "AUTH_GATEWAY_SECRET_FILE": str(tmp_path / "gateway")}
+        )
 
 
 # --- HS256 -----------------------------------------------------------------------------
@@ -199,7 +304,7 @@ async def test_hs256_token_names_the_caller_and_x_user_id_is_ignored() -> None:
     async with authenticator(**hs_settings()) as auth:
         assert not auth.allow_anonymous
         caller = await auth.caller(bearer(token, **{"X-User-ID": "mallory"}))
-        assert caller == Caller("dave", "dave")
+        assert caller == named_caller("dave")
         # The scheme is case-insensitive.
         assert await auth.caller(request({"Authorization": f"bearer  {token}"})) == caller
 
@@ -285,7 +390,7 @@ async def test_jwt_mode_without_token_is_401_unless_anonymous_allowed() -> None:
     )
 
     async with authenticator(**hs_settings(auth_allow_anonymous=True)) as auth:
-        assert await auth.caller(request({"X-User-ID": "alice"})) == Caller(None, "anon:203.0.113.9")
+        assert await auth.caller(request({"X-User-ID": "alice"})) == anonymous_caller("203.0.113.9")
         # A bad token is never a silent downgrade to anonymous.
         assert isinstance(await refused(auth, bearer("not-a-jwt")), TokenInvalid)
         assert isinstance(await refused(auth, request({"Authorization": "Bearer "})), TokenInvalid)
@@ -304,7 +409,7 @@ async def test_other_authorization_schemes_are_refused(value: str) -> None:
 async def test_rs256_and_es256_from_a_jwks_file(keys: Keys, tmp_path: Path) -> None:
     path = jwks_file(tmp_path, keys.jwks("rsa1", "ec1"))
     async with authenticator(auth_mode="jwt", auth_jwks_file=path, auth_jwt_audience=AUDIENCE) as auth:
-        assert await auth.caller(bearer(keys.token("rsa1", claims("erin")))) == Caller("erin", "erin")
+        assert await auth.caller(bearer(keys.token("rsa1", claims("erin")))) == named_caller("erin")
         assert (await auth.caller(bearer(keys.token("ec1", claims("frank"))))).user_id == "frank"
         # Without a kid, the keys of the token's algorithm are tried.
         assert (await auth.caller(bearer(keys.token("rsa1", kid=None)))).user_id == "user-1"

@@ -33,6 +33,7 @@ from app.errors import (
     ClientDisconnected,
     DatabaseUnavailable,
     EcoscanError,
+    FollowerLimit,
     InternalError,
     NotFound,
     Overloaded,
@@ -224,7 +225,8 @@ async def test_scan_errors_come_from_the_error_tree(service: Service) -> None:
 
     # Every client mistake and admission refusal the scan endpoint can answer with: all
     # but a 499 and the refusals of reading / cancelling a scan (a POST repeating an
-    # earlier one with its Idempotency-Key can meet SCAN_RUNNING_ELSEWHERE).
+    # earlier one with its Idempotency-Key can meet SCAN_RUNNING_ELSEWHERE and, following it
+    # there, FOLLOWER_LIMIT).
     resource_only = (ScanNotFound, ScanConflict, ScanAlreadyFinished, ScanEventsGone)
     refusals = [
         cls
@@ -232,7 +234,7 @@ async def test_scan_errors_come_from_the_error_tree(service: Service) -> None:
         for cls in subclasses(base)
         if cls not in (ClientDisconnected, NotFound, *resource_only)
     ]
-    assert ScanRunningElsewhere in refusals
+    assert ScanRunningElsewhere in refusals and FollowerLimit in refusals
     assert set(refusals) <= set(scan_refusals())
     for cls in [*refusals]:
         response = responses[str(cls.status)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from playwright.async_api import Page, async_playwright
+from playwright.async_api import Page, Route, async_playwright
 
 from app.http.page import package_version
 from app.sim.server import RunningSimulator
@@ -214,3 +214,47 @@ async def test_a_photo_of_several_items_draws_each_box_and_rule_card_at_360px(
         finally:
             await browser.close()
     assert not problems, problems
+
+
+async def test_the_page_resumes_an_anonymous_scan_with_its_token_in_the_header(
+    service: Service, tmp_path: Path
+) -> None:
+    """The POST's stream is cut after two events (the browser gets them through a route
+    that stops there); the page resumes with `X-Scan-Token`, never `?token=`, which would
+    land in access logs, and reaches `done`."""
+    photo = tmp_path / "bottle.jpg"
+    photo.write_bytes(make_jpeg(8, (800, 600)))
+    resumes: list[tuple[str, dict[str, str]]] = []
+    tokens: list[str] = []
+
+    async def cut_after_two_events(route: Route) -> None:
+        response = await route.fetch()
+        body = await response.text()
+        tokens.append(response.headers["x-scan-token"])
+        await route.fulfill(response=response, body="\r\n\r\n".join(body.split("\r\n\r\n")[:2]) + "\r\n\r\n")
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium_path(), headless=True)
+        try:
+            page = await browser.new_page(viewport={"width": 360, "height": 740})
+            await page.route("**/api/v1/scan/classify/completion", cut_after_two_events)
+            page.on(
+                "request",
+                lambda r: (
+                    resumes.append((r.url, r.headers)) if r.url.split("?")[0].endswith("/events") else None
+                ),
+            )
+            await page.goto(service.url + "/")
+            await page.set_input_files("#photo-camera", str(photo))
+            await page.click("#send")
+            async with asyncio.timeout(60):
+                while (state := await _state(page)) != "done":
+                    assert state != "error", await page.inner_text("#error")
+                    await asyncio.sleep(0.05)
+        finally:
+            await browser.close()
+    assert tokens and resumes, (tokens, resumes)
+    for url, headers in resumes:
+        assert "token=" not in url
+        assert headers["x-scan-token"] == tokens[0]
+        assert headers["last-event-id"] == "2"

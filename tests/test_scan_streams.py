@@ -8,6 +8,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import asyncpg
@@ -17,12 +18,13 @@ import redis.asyncio as redis
 from httpx_sse import aconnect_sse
 
 from app.db.pool import tagged_dsn
-from app.errors import ScanRunningElsewhere
+from app.errors import FollowerLimit, ScanRunningElsewhere, ServerBusy
 from app.runtime.metrics import Metrics
 from app.runtime.redis_link import RedisLink
 from app.scans import mirror as scan_streams
 from app.scans.events import AnswerDelta, EventLog, LogEntry, ScanDone, StageCompleted, StageStarted
-from app.scans.mirror import ScanStreams
+from app.scans.followers import FollowerCaps
+from app.scans.mirror import Following, ScanStreams
 from app.sim.server import RunningSimulator
 from app.streaming.responses import encode_event
 
@@ -129,6 +131,55 @@ async def test_no_stream_or_a_trimmed_one_is_refused(link: RedisLink, streams: S
     follow = await streams.follow(scan_id, 2, ended_after=running)
     finish(events)
     assert [e.seq for e in await collect(follow)] == [3, 4, 5, 6]
+
+
+async def test_followers_are_capped_per_user_per_scan_and_in_all_and_give_their_slots_back(
+    link: RedisLink,
+) -> None:
+    """`FollowerCaps`: a follow takes its slot before its response starts, and gives it back
+    when closed (before its first entry too) or when it ends."""
+    caps = FollowerCaps(per_user=2, per_scan=3, total=5)
+    streams = ScanStreams(link, Metrics(process=False), scan_deadline_s=60.0, block_s=0.5, caps=caps)
+    scans = {name: (uuid.uuid4(), EventLog()) for name in ("one", "two")}
+    try:
+        for scan_id, events in scans.values():
+            streams.mirror(scan_id, events)
+            a_scan(events)
+            key = streams.events_key(scan_id)
+            assert await eventually(lambda: _has(link, key, 5))  # noqa: B023 (awaited at once)
+        one, two = scans["one"][0], scans["two"][0]
+
+        async def follow(scan_id: uuid.UUID, who: str) -> Following:
+            following = await streams.follow(scan_id, 0, ended_after=running, follower=who)
+            assert following is not None
+            return following
+
+        held = [await follow(one, "u:a"), await follow(two, "u:a")]
+        with pytest.raises(FollowerLimit) as per_user:
+            await follow(one, "u:a")
+        assert (per_user.value.status, per_user.value.code) == (429, "FOLLOWER_LIMIT")
+        assert per_user.value.retry_after_s > 0 and "FOLLOWERS_MAX_PER_USER" in per_user.value.message
+        held += [await follow(one, "u:b"), await follow(one, "u:c")]  # scan one has 3 now
+        with pytest.raises(FollowerLimit) as per_scan:
+            await follow(one, "u:d")
+        assert "FOLLOWERS_MAX_PER_SCAN" in per_scan.value.message
+        held.append(await follow(two, "u:d"))
+        with pytest.raises(ServerBusy):  # all five slots taken
+            await follow(two, "u:e")
+        assert caps.in_use == 5
+
+        await held.pop(0).aclose()  # gone before its first entry
+        assert caps.in_use == 4 and caps.held_by("u:a") == 1
+        held.append(await follow(one, "u:e"))
+        for _, events in scans.values():
+            finish(events)
+        for following in held:  # each runs to its end: its slot comes back
+            assert [e.seq for e in await collect(following)] == [1, 2, 3, 4, 5, 6]
+        assert caps.in_use == 0
+        assert await streams.follow(one, 6, ended_after=running, follower="u:a") is None  # 204
+        assert caps.in_use == 0
+    finally:
+        await streams.close()
 
 
 async def test_a_stream_expires_after_its_scan_ended(
@@ -356,3 +407,48 @@ async def test_a_running_scan_without_a_stream_is_409(
 
 async def _xlen_at_least(client: redis.Redis, key: str, count: int) -> bool:
     return int(await client.xlen(key)) >= count
+
+
+async def test_one_user_cannot_take_more_than_its_followers_and_others_still_resume(
+    database_url: str, sim: RunningSimulator, redis_server_url: str, redis_prefix: str
+) -> None:
+    """Issue 34: each follow of a scan running elsewhere holds one of B's Redis follower
+    connections. A user at `FOLLOWERS_MAX_PER_USER` gets 429 `FOLLOWER_LIMIT` for one more,
+    while another user's resume on B goes through to `done`."""
+    await sim_configure(sim, time_scale=1.0)  # ~9 s a scan: the follows stay open while we look
+    greedy, patient = {"X-User-ID": "greedy-follower"}, {"X-User-ID": "patient-follower"}
+    shared = {"redis_url": redis_server_url, "redis_prefix": redis_prefix}
+    replica_a = running_service(settings_for(database_url, sim, **shared))
+    replica_b = running_service(settings_for(database_url, sim, **shared, followers_max_per_user=2))
+    probe = redis.Redis.from_url(redis_server_url)
+    async with (
+        replica_a as a,
+        replica_b as b,
+        httpx.AsyncClient(base_url=a.url, timeout=60) as on_a,
+        httpx.AsyncClient(base_url=b.url, timeout=60) as on_b,
+    ):
+        greedy_scan, patient_scan = start_scan(on_a, greedy, seed=511), start_scan(on_a, patient, seed=512)
+        greedy_id = json.loads((await anext(greedy_scan))[1])["job_id"]
+        patient_first, patient_data = await anext(patient_scan)
+        patient_id = json.loads(patient_data)["job_id"]
+        for job_id in (greedy_id, patient_id):
+            assert await eventually(lambda j=job_id: _xlen_at_least(probe, events_key(redis_prefix, j), 1))
+        async with AsyncExitStack() as held:
+            for _ in range(2):
+                following = await held.enter_async_context(
+                    on_b.stream("GET", events_url(greedy_id), headers=greedy)
+                )
+                assert following.status_code == 200
+            refused = await on_b.get(events_url(greedy_id), headers=greedy)
+            assert (refused.status_code, refused.json()["code"]) == (429, "FOLLOWER_LIMIT")
+            assert int(refused.headers["Retry-After"]) >= 1
+            status, rest = await raw_body(b, patient_id, {**patient, "Last-Event-ID": patient_first})
+            assert status == 200 and '"step":"done"' in rest.split("\r\n\r\n")[-2]
+        assert b.metric("ecoscan_scan_stream_follows_total", {"outcome": "limited"}) == 1
+        assert b.metric("ecoscan_scan_stream_follows_total", {"outcome": "served"}) == 3
+        # Its streams closed, the greedy user follows again.
+        status, _ = await raw_body(b, greedy_id, greedy)
+        assert status == 200
+        await greedy_scan.aclose()
+        await patient_scan.aclose()
+    await probe.aclose()

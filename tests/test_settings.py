@@ -137,3 +137,17 @@ def test_sized_limits_read_auto_caps_and_numbers() -> None:
     ):
         with pytest.raises(SettingsError, match=name):
             Settings.from_env({name: bad})
+
+
+def test_upload_and_follower_caps_are_checked_by_name() -> None:
+    s = Settings.from_env({})
+    assert (s.body_gap_timeout_s, s.body_buffer_max_bytes_per_client) == (10.0, 32 * 1024 * 1024)
+    assert (s.followers_max_per_user, s.followers_max_per_scan) == (8, 4)
+    for name, bad in (
+        ("BODY_BUFFER_MAX_BYTES_PER_CLIENT", "1000"),  # not even one largest body
+        ("BODY_GAP_TIMEOUT_S", "0"),
+        ("FOLLOWERS_MAX_PER_USER", "0"),
+        ("FOLLOWERS_MAX_PER_SCAN", "-1"),
+    ):
+        with pytest.raises(SettingsError, match=name):
+            Settings.from_env({name: bad})

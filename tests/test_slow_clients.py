@@ -174,3 +174,101 @@ async def test_a_slow_upload_above_the_minimum_rate_outlasts_the_base_timeout(
             await asyncio.sleep(0.02)
         status, headers, _ = await upload.response_head()
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
+
+
+def _smallest_caps(image_max: int) -> int:
+    return image_max * 4 // 3 + 64 * 1024  # the smallest cap allowed: one largest body
+
+
+async def test_a_stalled_large_body_gives_its_bytes_back_within_the_gap_timeout(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """Issue 34: a client sends most of a big body fast, then nothing. Its deadline, fixed
+    when reading began, is minutes away and bytes received do not stretch it; the gap
+    timeout cuts it off, and the room it held takes another client's photo."""
+    image_max = 600_000
+    cap = _smallest_caps(image_max)
+    settings = settings_for(
+        database_url,
+        sim,
+        image_max_bytes=image_max,
+        body_buffer_max_bytes=cap,
+        body_read_timeout_s=600,
+        body_gap_timeout_s=1.0,
+    )
+    photo = {"image_url": data_url(make_jpeg(5))}
+    assert len(photo["image_url"]) > 5_000
+    other = {"X-User-ID": "other"}
+    async with running_service(settings) as svc, slow_upload(svc, cap - 1000, user="hog") as hog:
+        start = b'{"image_url": "data:image/jpeg;base64,'
+        await hog.send(start + b"A" * (cap - 5_000 - len(start)))
+        assert await eventually(lambda: svc.metric("ecoscan_request_body_bytes_buffered") == cap - 5_000)
+        held = await svc.client.post(SCAN_URL, json=photo, headers=other)
+        assert (held.status_code, held.json()["code"]) == (503, "UPLOADS_AT_CAPACITY")
+
+        # Far inside the 600 s deadline: only the gap can have ended it.
+        status, headers, body = await hog.response(timeout_s=60)
+        assert (status, body["code"]) == (408, "BODY_READ_TIMEOUT")
+        assert "BODY_GAP_TIMEOUT_S" in body["detail"] and headers["connection"] == "close"
+        assert await hog.closed_by_server()
+        assert await eventually(lambda: svc.metric("ecoscan_request_body_bytes_buffered") == 0)
+        outcome = await run_scan(svc.client, json=photo, headers=other)
+        assert outcome.terminal.event == "done"
+
+
+async def test_a_fast_start_then_a_trickle_is_cut_at_the_pace_of_what_is_missing(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """Issue 34: most of a big body fast, then a byte now and then, each inside the gap
+    timeout. The deadline fixed at the start (50 s here) is not what ends it: after the fast
+    part, what is missing at the minimum rate is due within about 2 s."""
+    settings = settings_for(
+        database_url, sim, body_read_timeout_s=1.0, body_min_bytes_per_s=1000, body_gap_timeout_s=10
+    )
+    async with running_service(settings) as svc, slow_upload(svc, 50_000) as upload:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await upload.send(b" " * 49_000)
+        await upload.trickle(b" ", every_s=0.25, for_s=1.0)
+        status, _, body = await upload.response(timeout_s=40)
+        assert (status, body["code"]) == (408, "BODY_READ_TIMEOUT")
+        assert "BODY_GAP_TIMEOUT_S" not in body["detail"]
+        assert loop.time() - started < 30  # the deadline fixed at the start was 51 s away
+        assert await eventually(lambda: svc.metric("ecoscan_request_body_bytes_buffered") == 0)
+
+
+async def test_one_client_cannot_hold_more_than_its_upload_cap(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """`BODY_BUFFER_MAX_BYTES_PER_CLIENT`: a client holding its share gets 429
+    `CLIENT_UPLOADS_AT_CAPACITY` for one more upload, while the room left in the service's
+    buffer still takes other clients' photos."""
+    image_max = 600_000
+    per_client = _smallest_caps(image_max)
+    settings = settings_for(
+        database_url,
+        sim,
+        image_max_bytes=image_max,
+        body_buffer_max_bytes=4 * per_client,
+        body_buffer_max_bytes_per_client=per_client,
+        body_read_timeout_s=600,
+    )
+    photo = {"image_url": data_url(make_jpeg(6))}
+    assert len(photo["image_url"]) > 5_000
+    async with running_service(settings) as svc, contextlib.AsyncExitStack() as stack:
+        for share in (per_client // 2, per_client // 2 - 5_000):  # two connections, one client
+            upload = await stack.enter_async_context(slow_upload(svc, per_client, user="hog"))
+            await upload.send(b" " * share)
+        assert await eventually(
+            lambda: svc.metric("ecoscan_request_body_bytes_buffered") == per_client - 5_000
+        )
+        refused = await svc.client.post(SCAN_URL, json=photo, headers={"X-User-ID": "hog"})
+        assert (refused.status_code, refused.json()["code"]) == (429, "CLIENT_UPLOADS_AT_CAPACITY")
+        assert int(refused.headers["Retry-After"]) >= 1 and refused.headers["connection"] == "close"
+        for user in ("other", "third"):
+            outcome = await run_scan(svc.client, json=photo, headers={"X-User-ID": user})
+            assert outcome.terminal.event == "done", outcome.body
+        # The refused body gave back what it took; the hog's two still hold theirs.
+        assert await eventually(
+            lambda: svc.metric("ecoscan_request_body_bytes_buffered") == per_client - 5_000
+        )

@@ -6,7 +6,7 @@ stream it makes counts as open while it is."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import pytest
 from sse_starlette import ServerSentEvent
@@ -78,7 +78,7 @@ async def test_a_replayed_or_followed_stream_counts_as_open_while_it_is() -> Non
         await anext(replay)
     assert open_streams() == 0
 
-    async def mirrored() -> AsyncIterator[LogEntry]:
+    async def mirrored() -> AsyncGenerator[LogEntry, None]:
         for entry in log.entries:
             yield entry
 

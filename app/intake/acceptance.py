@@ -11,6 +11,12 @@ ended with a retryable error (`PROCESS_LOST`, `SERVER_SHUTDOWN`, an exhausted up
 does not pin its key: the same key starts a new attempt, whose row names the old one
 (`retry_of`). Concurrent
 duplicates race on a unique index, not on a check-then-insert.
+
+The caller's scan rate and quota (app/limits/user_quota.py, when set): a scan without an
+`Idempotency-Key` reserves its place before its body is read, so a refusal costs no upload;
+one with a key reserves right before admission, once it is known not to repeat an earlier
+scan (a retry is answered even at the quota). Any later refusal gives the place back: only
+a scan that starts uses it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from app.intake.identity import Authenticator, Caller
 from app.intake.parsing import InputLimits, check_content_encoding, parse_scan_body, request_kind
 from app.limits.admission import Admission, Ticket
 from app.limits.cpu_lane import CpuLane
+from app.limits.user_quota import Reservation, UserQuota
 from app.runtime.metrics import Metrics
 from app.scans.pipeline import ScanPipeline
 from app.scans.run import ScanRun
@@ -84,8 +91,10 @@ class ScanAcceptance:
         identity: Authenticator,
         metrics: Metrics,
         idempotency_ttl_s: float,
+        quota: UserQuota | None = None,
     ) -> None:
         self._identity = identity
+        self._quota = quota
         self._claims: dict[tuple[str, str], asyncio.Future[tuple[uuid.UUID, str]]] = {}
         self._idempotency_ttl_s = idempotency_ttl_s
         self._admission = admission
@@ -105,14 +114,33 @@ class ScanAcceptance:
         check_content_encoding(request.headers)  # 415 too: bodies are never decompressed
         caller = await self._identity.caller(request)
         key = _idempotency_key(request)
+        reservation = None if key else await self._reserve(caller)
+        try:
+            return await self._read_and_start(request, caller, key, content_type, received_at, reservation)
+        except BaseException:
+            if reservation is not None:
+                reservation.give_back()
+            raise
+
+    async def _read_and_start(
+        self,
+        request: Request,
+        caller: Caller,
+        key: str | None,
+        content_type: str,
+        received_at: float,
+        reservation: Reservation | None,
+    ) -> NewScan | RepeatedScan:
         # Uploads cost time and memory, not admission: a slow upload holds no slot.
-        body = await self._bodies.read(request)
+        body = await self._bodies.read(request, client=caller.rate_key)
         try:
             scan_input, prepare_s = await self._prepare(body, content_type)
         finally:
             body.release()
         if not key:
-            return await self._start(caller, None, scan_input, prepare_s, received_at)
+            return await self._start(
+                caller, None, scan_input, prepare_s, received_at, reservation=reservation
+            )
         claim = _claim(caller, key, scan_input)
         # A duplicate while the first is being accepted here: that one answers for both
         # (the duplicate must not be refused for the caller's cap meanwhile).
@@ -155,6 +183,26 @@ class ScanAcceptance:
         prepare_s: float,
         received_at: float,
         retry_of: uuid.UUID | None = None,
+        *,
+        reservation: Reservation | None = None,
+    ) -> NewScan:
+        if claim is not None:  # not a repeat: now it takes its place in the caller's windows
+            reservation = await self._reserve(caller)
+        try:
+            return await self._admit_and_record(caller, claim, scan_input, prepare_s, received_at, retry_of)
+        except BaseException:
+            if reservation is not None:
+                reservation.give_back()
+            raise
+
+    async def _admit_and_record(
+        self,
+        caller: Caller,
+        claim: IdempotencyClaim | None,
+        scan_input: ScanInput,
+        prepare_s: float,
+        received_at: float,
+        retry_of: uuid.UUID | None,
     ) -> NewScan:
         ticket = await self._admit(caller.rate_key)
         try:
@@ -169,6 +217,10 @@ class ScanAcceptance:
         )
         run = self._pipeline.start(scan, token_sha256=token_hash(token) if token else None)
         return NewScan(run, caller, token)
+
+    async def _reserve(self, caller: Caller) -> Reservation | None:
+        """The scan's place in the caller's rate and quota (None when neither is set)."""
+        return await self._quota.reserve(caller.rate_key) if self._quota is not None else None
 
     async def _taken(self, claim: IdempotencyClaim) -> KeyTaken | None:
         try:
@@ -251,7 +303,7 @@ def _claim(caller: Caller, key: str, scan_input: ScanInput) -> IdempotencyClaim:
     image = scan_input.image.sha256 if scan_input.image else scan_input.image_url  # of the original bytes
     what = f"{scan_input.source}\n{image}\n{scan_input.user_input or ''}"
     return IdempotencyClaim(
-        caller.rate_key, key, hashlib.sha256(what.encode("utf-8", "surrogatepass")).hexdigest()
+        caller.scope, key, hashlib.sha256(what.encode("utf-8", "surrogatepass")).hexdigest()
     )
 
 

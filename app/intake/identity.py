@@ -2,7 +2,11 @@
 
 `AUTH_MODE=gateway` (the default): a gateway in front authenticates and sets `X-User-ID`;
 the header is taken as said, once checked to be printable and at most
-`MAX_USER_ID_CHARS` long (else 422 `INVALID_REQUEST`).
+`MAX_USER_ID_CHARS` long (else 422 `INVALID_REQUEST`). With `AUTH_GATEWAY_SECRET` set, the
+gateway proves itself: a request that carries `X-User-ID` (or `X-Gateway-Secret`) without
+that secret in `X-Gateway-Secret` is 401 `GATEWAY_SECRET_INVALID`, so a client that reaches
+the service past the gateway cannot name itself. Unset, the header is believed from anyone
+(dev, `make run`): the service says so once at start.
 
 `AUTH_MODE=jwt`: `Authorization: Bearer <token>`, verified here with PyJWT; `X-User-ID` is
 ignored and the token's `sub` is the user id. Exactly one key source:
@@ -25,12 +29,19 @@ allowed (`AUTH_ALLOW_ANONYMOUS`, default: yes with a gateway, no with JWTs), els
 `UNAUTHENTICATED`. A token that is given but bad is always 401 `TOKEN_INVALID` /
 `TOKEN_EXPIRED`, never a silent downgrade to anonymous. Tokens, secrets and keys are never
 logged.
+
+Keys by kind: a named user's keys are `u:<id>`, an anonymous caller's `a:<address>`, so no
+user id (`anon:127.0.0.1`, `a:...`) can share an anonymous caller's per-user caps or
+replay its idempotent scans. An anonymous IPv6 caller's rate key is its /64 (one host
+holds a whole /64 to rotate through); its idempotency scope stays the exact address.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -45,12 +56,23 @@ import jwt
 from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
 from starlette.requests import HTTPConnection
 
-from app.errors import InvalidRequest, ServerBusy, TokenExpired, TokenInvalid, Unauthorized
+from app.errors import (
+    GatewaySecretInvalid,
+    InvalidRequest,
+    ServerBusy,
+    TokenExpired,
+    TokenInvalid,
+    Unauthorized,
+)
 from app.settings import Settings, SettingsError, display_url
 
 log = logging.getLogger(__name__)
 
 MAX_USER_ID_CHARS = 128
+GATEWAY_SECRET_HEADER = "X-Gateway-Secret"
+# Anonymous IPv6 callers share their rate key with their /64: the smallest block a site
+# is given, which one client can rotate through at will.
+ANONYMOUS_IPV6_PREFIX = 64
 # Clock skew tolerated between the token issuer and us, on `exp`, `nbf` and `iat`.
 LEEWAY_S = 30.0
 # The algorithms each key source accepts: the source, not the token, decides.
@@ -75,19 +97,38 @@ def allow_anonymous(settings: Settings) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """`user_id` is None for an anonymous caller; `rate_key` keys per-user caps: the user
-    id, or `anon:<client address>` when anonymous."""
+    """`user_id` is None for an anonymous caller. `rate_key` keys the per-user caps, rate
+    and quota; `scope` keys idempotency: `u:<id>` both for a user, `a:<address>` for an
+    anonymous caller (its rate key `a:<prefix>/64` over IPv6)."""
 
     user_id: str | None
     rate_key: str
+    scope: str
 
     @property
     def anonymous(self) -> bool:
         return self.user_id is None
 
 
-def _anonymous_key(request: HTTPConnection) -> str:
-    return f"anon:{request.client.host if request.client else '-'}"
+def named_caller(user_id: str) -> Caller:
+    return Caller(user_id, f"u:{user_id}", f"u:{user_id}")
+
+
+def anonymous_caller(host: str | None) -> Caller:
+    """An anonymous caller at `host` (None: unknown, e.g. a test client without one)."""
+    if host is None:
+        return Caller(None, "a:-", "a:-")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # not an IP (a Unix socket's peer): the host as given
+        return Caller(None, f"a:{host}", f"a:{host}")
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    rate_key = f"a:{address}"
+    if isinstance(address, ipaddress.IPv6Address):
+        block = ipaddress.IPv6Network((address.packed, ANONYMOUS_IPV6_PREFIX), strict=False)
+        rate_key = f"a:{block}"
+    return Caller(None, rate_key, f"a:{address}")
 
 
 def _usable_user_id(value: str) -> bool:
@@ -128,6 +169,13 @@ class Authenticator:
         self.mode = settings.auth_mode
         self.allow_anonymous = allow_anonymous(settings)
         self._verifier: _TokenVerifier | None = None
+        secret = settings.auth_gateway_secret
+        self._gateway_secret = secret.encode("ascii") if secret else None
+        if self.mode == "gateway" and self._gateway_secret is None:
+            log.warning(
+                "AUTH_MODE=gateway without AUTH_GATEWAY_SECRET: X-User-ID is believed as sent by "
+                "anyone who reaches this service; set the secret or keep clients off it (docs/deploy.md)"
+            )
         if self.mode == "jwt":
             keys = _key_source(settings)
             self._verifier = _TokenVerifier(
@@ -141,20 +189,33 @@ class Authenticator:
     async def caller(self, request: HTTPConnection) -> Caller:
         user_id = await self._user_id(request)
         if user_id is not None:
-            return Caller(user_id, user_id)
+            return named_caller(user_id)
         if not self.allow_anonymous:
             if self._verifier is None:
                 raise Unauthorized("Authentication is required (no X-User-ID).")
             raise Unauthorized("Authentication is required: send Authorization: Bearer <token>.")
-        return Caller(None, _anonymous_key(request))
+        return anonymous_caller(request.client.host if request.client else None)
 
     async def _user_id(self, request: HTTPConnection) -> str | None:
         if self._verifier is None:
+            self._check_gateway(request)
             return gateway_user_id(request)
         token = bearer_token(request)
         if token is None:
             return None
         return await self._verifier.subject(token)
+
+    def _check_gateway(self, request: HTTPConnection) -> None:
+        """With AUTH_GATEWAY_SECRET: a request carrying X-User-ID (or a gateway secret)
+        must carry the right secret; one with neither is an anonymous caller."""
+        if self._gateway_secret is None:
+            return
+        sent = request.headers.get(GATEWAY_SECRET_HEADER)
+        if sent is None and "x-user-id" not in request.headers:
+            return
+        # Header values arrive as latin-1 text: back to their bytes, compared in constant time.
+        if sent is None or not hmac.compare_digest(sent.encode("latin-1"), self._gateway_secret):
+            raise GatewaySecretInvalid()
 
     async def prefetch(self) -> None:
         """Fetch `AUTH_JWKS_URL`'s keys now (at start-up) rather than on the first token;

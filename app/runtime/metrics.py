@@ -139,7 +139,8 @@ class Metrics:
         self.stream_follows = Counter(
             "ecoscan_scan_stream_follows_total",
             "Event requests for scans running on another replica, by outcome: served (from "
-            "Redis), refused (409: no usable stream, or Redis failed), cut (Redis failed mid-stream).",
+            "Redis), refused (409: no usable stream, or Redis failed), cut (Redis failed mid-stream), "
+            "limited (429/503: the user's, the scan's or the process's followers at their cap).",
             ["outcome"],
             registry=r,
         )
@@ -204,6 +205,20 @@ class Metrics:
             ["model", "type"],
             registry=r,
         )
+        # What the provider's limiter charges against our estimate (app/limits/charge_learning.py).
+        self.upstream_charge = Histogram(
+            "ecoscan_upstream_charge_tokens",
+            "Tokens one call reserved as its provider's limiter counts them: estimate x learned ratio.",
+            ["model", "kind"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.upstream_charge_ratio = Gauge(
+            "ecoscan_upstream_charge_ratio",
+            "Learned ratio of what the limiter charges to what we estimate, per budget and call kind.",
+            ["budget", "kind"],
+            registry=r,
+        )
         self.ratelimit_remaining = Gauge(
             "ecoscan_upstream_ratelimit_remaining",
             "Last x-ratelimit-remaining-* seen, by resource (requests, tokens).",
@@ -234,6 +249,35 @@ class Metrics:
             "ecoscan_upstream_negotiated_total",
             "Optional parameters a deployment refused and is sent without from then on.",
             ["upstream", "parameter"],
+            registry=r,
+        )
+        self.upstream_negotiation_waits = Counter(
+            "ecoscan_upstream_negotiation_waits_total",
+            "Calls that waited for another call to find out whether their deployment takes "
+            "their parameters (app/upstream/negotiation.py): answered, or timed_out (went as they were).",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.upstream_probes = Counter(
+            "ecoscan_upstream_probes_total",
+            "The service's own probes of deployments whose breaker is open (app/upstream/probes.py): "
+            "ok (closed it), failed, skipped (no budget in time), error.",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.upstream_ride_outs = Counter(
+            "ecoscan_upstream_ride_outs_total",
+            "Calls that waited for a deployment's return, every deployment of their stage being "
+            "down: returned, or expired (the deadline came first).",
+            ["stage", "outcome"],
+            registry=r,
+        )
+        self.upstream_hedges = Counter(
+            "ecoscan_upstream_hedges_total",
+            "Calls whose reply was late past their deployment's first-byte p99 x HEDGE_FACTOR "
+            "(app/upstream/hedging.py): sent (a hedge went), no_route, no_budget; then won (the "
+            "hedge answered first) or lost.",
+            ["stage", "outcome"],
             registry=r,
         )
         # Each route's own concurrency limit (app/limits/route_limits.py), by deployment and stage.
@@ -341,7 +385,8 @@ class Metrics:
         )
         self.budget_redis_calls = Counter(
             "ecoscan_budget_redis_calls_total",
-            "Lease calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, error.",
+            "Budget calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, "
+            "sent (a call counted), error.",
             ["model", "op"],
             registry=r,
         )
@@ -360,6 +405,11 @@ class Metrics:
         self.user_caps_unreleased = Gauge(
             "ecoscan_user_caps_unreleased_slots",
             "Per-user slots whose removal from Redis failed, removed when Redis answers again.",
+            registry=r,
+        )
+        self.user_quota_redis_errors = Counter(
+            "ecoscan_user_quota_redis_errors_total",
+            "Per-user rate and quota reservations counted by this process alone because Redis failed.",
             registry=r,
         )
         self.breaker_redis_errors = Counter(

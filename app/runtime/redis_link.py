@@ -31,7 +31,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 
-__all__ = ["RedisError", "RedisLink", "connection_options", "redact_url"]
+from app.runtime.redaction import redact_url
+
+__all__ = ["RedisError", "RedisLink", "connection_options"]
 
 log = logging.getLogger("ecoscan.redis")
 
@@ -94,13 +96,3 @@ def connection_options(timeout_s: float) -> dict[str, Any]:
         "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         "maint_notifications_config": MaintNotificationsConfig(enabled=False),
     }
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password, for logs."""
-    scheme, sep, rest = url.partition("://")
-    if "@" not in rest:
-        return url
-    credentials, _, host = rest.rpartition("@")
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}{sep}{user}:***@{host}" if user else f"{scheme}{sep}***@{host}"

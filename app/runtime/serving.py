@@ -11,6 +11,26 @@ from collections.abc import AsyncIterator, Generator
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+class _EmbeddedConfig(uvicorn.Config):
+    """Leaves the host process's logging alone. `uvicorn.Config` configures the process's
+    `uvicorn.*` loggers (their levels, and without an access log it takes the access
+    logger's handlers away): an embedded simulator's config turned the service's own
+    access log off, so dev and prod logged differently."""
+
+    def configure_logging(self) -> None:
+        pass
+
+
+class QuietHttpToolsProtocol(HttpToolsProtocol):
+    """An embedded server's requests stay out of the host's access log (uvicorn logs
+    every server's requests through the one `uvicorn.access` logger)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.access_log = False
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -38,10 +58,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def uvicorn_config(app: Any, **overrides: Any) -> uvicorn.Config:
+    # No logging options: `_EmbeddedConfig` leaves logging to the host process.
     options: dict[str, Any] = {
-        "log_level": "warning",
         "lifespan": "off",
-        "access_log": False,
+        "http": QuietHttpToolsProtocol,
         "proxy_headers": False,
         "server_header": False,
         "ws": "none",
@@ -49,10 +69,9 @@ def uvicorn_config(app: Any, **overrides: Any) -> uvicorn.Config:
         # Outlive client pools' idle connections so reuse never races a server-side close.
         "timeout_keep_alive": 60,
         "backlog": 4096,
-        "log_config": None,
     }
     options.update(overrides)
-    return uvicorn.Config(app, **options)
+    return _EmbeddedConfig(app, **options)
 
 
 @contextlib.asynccontextmanager

@@ -23,6 +23,11 @@ Redis. Once it has started, a Redis failure ends the response without a terminal
 the client reconnects with its `Last-Event-ID`, as after any dropped connection, and
 reads on from whichever replica (or the database) can serve it then.
 
+Each follow holds a slot of `FollowerCaps` (app/scans/followers.py) from before its
+response starts until the response closes it (`Following.aclose`): per user, per scan and
+no more than the blocking client's connections, whose pool waits for a free connection
+at most `REDIS_TIMEOUT_S` should one ever be short.
+
 A follower renews a lease, `<prefix>:scan:<id>:followed`, before a block (at most once
 a block); the owner, when its own last follower left and the disconnect grace ran out,
 keeps the scan running while that lease exists (`followed_elsewhere`, app/scans/run.py).
@@ -33,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +49,7 @@ from app.errors import ScanRunningElsewhere
 from app.runtime.metrics import Metrics
 from app.runtime.redis_link import RedisError, RedisLink, connection_options
 from app.scans.events import EventLog, LogEntry, RecordedEvent
+from app.scans.followers import FollowerCaps, FollowerSlot
 
 log = logging.getLogger(__name__)
 
@@ -132,22 +138,62 @@ class _Mirror:
         return self.log.entries[self.written : self.written + limit]
 
 
+class Following:
+    """A follow's entries; holds its follower slot until closed. A class, not a generator:
+    the response closes its body however it ends, before the first entry too, and a
+    generator never started runs no `finally`."""
+
+    def __init__(self, entries: AsyncGenerator[LogEntry, None], slot: FollowerSlot) -> None:
+        self._entries = entries
+        self._slot = slot
+
+    def __aiter__(self) -> Following:
+        return self
+
+    async def __anext__(self) -> LogEntry:
+        try:
+            return await self._entries.__anext__()
+        except BaseException:  # its end, or Redis's: no more entries come
+            self._slot.release()
+            raise
+
+    async def aclose(self) -> None:
+        self._slot.release()
+        await self._entries.aclose()
+
+
 class ScanStreams:
-    def __init__(self, link: RedisLink, metrics: Metrics, *, scan_deadline_s: float, block_s: float) -> None:
+    def __init__(
+        self,
+        link: RedisLink,
+        metrics: Metrics,
+        *,
+        scan_deadline_s: float,
+        block_s: float,
+        caps: FollowerCaps | None = None,
+    ) -> None:
         self._link = link
         self._metrics = metrics
+        self.caps = caps or FollowerCaps(
+            per_user=FOLLOW_MAX_CONNECTIONS, per_scan=FOLLOW_MAX_CONNECTIONS, total=FOLLOW_MAX_CONNECTIONS
+        )
+        self.caps.total = min(self.caps.total, FOLLOW_MAX_CONNECTIONS)  # never more than connections
         # No scan runs longer than this: how long a stream outlives a write, and a follow lasts.
         self._running_ttl_s = scan_deadline_s + STREAM_TTL_PAST_DEADLINE_S
         self._block_s = block_s
         self._lease_ms = int(FOLLOWER_LEASE_BLOCKS * block_s * 1000)
         self._append = link.script(_APPEND)
         # XREAD BLOCK outlasts the link's socket timeout: its own client, one block longer.
-        self._blocking: redis.Redis = redis.Redis.from_url(
+        # A pool that waits (at most REDIS_TIMEOUT_S) for a connection rather than failing
+        # at once; the follower slots never outnumber its connections.
+        pool = redis.BlockingConnectionPool.from_url(
             link.url,
-            socket_timeout=block_s + link.timeout_s,
             max_connections=FOLLOW_MAX_CONNECTIONS,
+            timeout=link.timeout_s,
+            socket_timeout=block_s + link.timeout_s,
             **connection_options(link.timeout_s),  # a restarted Redis: one retry, on a fresh connection
         )
+        self._blocking: redis.Redis = redis.Redis.from_pool(pool)
         self._watchers: dict[asyncio.Task[None], _Mirror] = {}
         self._pending: dict[str, _Mirror] = {}
         self._wake = asyncio.Event()
@@ -298,13 +344,32 @@ class ScanStreams:
         return _entries(found), scan_input
 
     async def follow(
-        self, scan_id: uuid.UUID, after: int, *, ended_after: Ending
-    ) -> AsyncIterator[LogEntry] | None:
+        self, scan_id: uuid.UUID, after: int, *, ended_after: Ending, follower: str = ""
+    ) -> Following | None:
         """The scan's entries after `after`, live until its terminal one; None when the
         stream ended at or before `after` (204). `ScanRunningElsewhere` (409) when the
-        stream cannot serve the position. `ended_after` is asked after an idle block: a
-        scan whose row ended without its end reaching the stream (a sweep) ends the
-        follow with the row's terminal entry."""
+        stream cannot serve the position; `FollowerLimit` (429) when `follower` (the
+        caller's rate key) or the scan has its share of followers. `ended_after` is asked
+        after an idle block: a scan whose row ended without its end reaching the stream (a
+        sweep) ends the follow with the row's terminal entry."""
+        try:
+            slot = self.caps.take(follower, scan_id)
+        except Exception:
+            self._metrics.stream_follows.labels("limited").inc()
+            raise
+        try:
+            entries = await self._probed(scan_id, after, ended_after)
+        except BaseException:
+            slot.release()
+            raise
+        if entries is None:
+            slot.release()
+            return None
+        return Following(entries, slot)
+
+    async def _probed(
+        self, scan_id: uuid.UUID, after: int, ended_after: Ending
+    ) -> AsyncGenerator[LogEntry, None] | None:
         key = self.events_key(scan_id)
         try:
             first, last = await self._probe(key, after)
@@ -335,7 +400,7 @@ class ScanStreams:
         entries: list[LogEntry],
         position: int,
         ended_after: Ending,
-    ) -> AsyncIterator[LogEntry]:
+    ) -> AsyncGenerator[LogEntry, None]:
         key, lease = self.events_key(scan_id), self._lease_key(scan_id)
         loop = asyncio.get_running_loop()
         give_up_at, renewed_at = loop.time() + self._running_ttl_s, -self._block_s

@@ -12,7 +12,7 @@ from app.sim.errors import InvalidRequest
 from app.sim.images import image_tokens
 from app.sim.models import ModelFamily
 from app.sim.prompt_cache import MIN_TOKENS, Part, prefix_digests, text_part
-from app.sim.tokens import MESSAGE_OVERHEAD, REPLY_PRIMING
+from app.sim.tokens import MESSAGE_OVERHEAD, REPLY_PRIMING, count_hangul
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _DETAILS = {"low", "high", "auto"}
@@ -33,6 +33,7 @@ class Prompt:
     schema_key: bytes = b""
     prefixes: tuple[bytes, ...] = ()  # see app/sim/prompt_cache.py; empty under MIN_TOKENS
     image_key: bytes = b""  # a digest of the images alone: what a photo shows, whatever is asked
+    hangul: int = 0  # Hangul syllables in its text (the limiter may count them its own way)
 
 
 def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: bool = True) -> Prompt:
@@ -51,6 +52,7 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
     image_hasher = hashlib.sha256()
     tokens = REPLY_PRIMING
     has_image = mentions_json = False
+    hangul = 0
     user_text = ""
     parts: list[Part] = []  # in reading order, for the prompt cache
     for i, message in enumerate(messages):
@@ -65,6 +67,7 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
                 parts.append(text_part(text))
                 tokens += parts[-1].tokens
                 mentions_json = mentions_json or "json" in text.lower()
+                hangul += count_hangul(text)
                 texts.append(text)
                 continue
             if family.images is None:
@@ -90,11 +93,21 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
         # OpenAI injects the schema into the prompt, so it is billed; it comes first.
         parts.insert(0, text_part(schema_text))
         tokens += parts[0].tokens
+        hangul += count_hangul(schema_text)
     parts.append(Part(REPLY_PRIMING, label="assistant priming"))
     prefixes = prefix_digests(parts) if tokens >= MIN_TOKENS else ()
     image_key = image_hasher.digest() if has_image else b""
     return Prompt(
-        tokens, has_image, format_type, schema, hasher.digest(), user_text, schema_key, prefixes, image_key
+        tokens,
+        has_image,
+        format_type,
+        schema,
+        hasher.digest(),
+        user_text,
+        schema_key,
+        prefixes,
+        hangul=hangul,
+        image_key=image_key,
     )
 
 

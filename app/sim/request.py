@@ -55,6 +55,7 @@ class ChatRequest:
     prompt_cache_key: str = ""
     deployment: str = ""  # Azure: the deployment the call named (its limits are its own)
     image_key: bytes = b""  # a digest of the images alone (what several items are drawn from)
+    hangul: int = 0  # Hangul syllables in the prompt (see Flavor.charge)
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -109,4 +110,5 @@ def parse_request(body: dict[str, Any], deployment: tuple[str, str] | None = Non
         prompt_cache_key=body.get("prompt_cache_key") or "",
         deployment=deployment[0] if deployment is not None else "",
         image_key=prompt.image_key,
+        hangul=prompt.hangul,
     )

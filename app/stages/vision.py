@@ -136,16 +136,16 @@ class VisionStage:
         # The schema is part of the prompt OpenAI counts; constant, so priced once.
         self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
         # Asked on every admission: what a typical call (an uploaded photo, no note) would
-        # reserve on each route, priced once.
+        # reserve on each route; its prompt priced once, what the limiter charges for it
+        # as learned at the time of asking.
         typical = ChatRequest(
             "vision",
             self._messages(ScanInput("upload", "<photo>", None)),
             image_sizes={"<photo>": TYPICAL_IMAGE_SIZE},
             extra_prompt_tokens=self._schema_tokens,
         )
-        self._typical_tokens = {
-            route.name: route.limiter_tokens(route.estimate(typical))
-            for route in upstream.routes_for("vision")
+        self._typical_prompt = {
+            route.name: route.estimate(typical) for route in upstream.routes_for("vision")
         }
         # What shapes every request but the photo and the note, laid out as sent: the
         # models that may answer it, the schema, the prompt.
@@ -183,7 +183,9 @@ class VisionStage:
     def predicted_budget_wait(self, owed_calls: int) -> float:
         """How long a new scan's vision call would wait for the budget: admission's test."""
         return self._upstream.predicted_wait(
-            "vision", lambda route: self._typical_tokens[route.name], ahead=owed_calls
+            "vision",
+            lambda route: route.limiter_tokens(self._typical_prompt[route.name], "image"),
+            ahead=owed_calls,
         )
 
     async def run(self, ctx: ScanContext) -> VisionResult:

@@ -458,8 +458,9 @@ async function post(scan) {
 
 async function resume(scan) {
   const url = new URL(`/api/v1/scan/${encodeURIComponent(scan.jobId)}/events`, location.href);
-  if (scan.token) url.searchParams.set("token", scan.token);
   const headers = { ...headersFor(scan), Accept: "text/event-stream" };
+  // The header, not `?token=`: a query string lands in access logs (docs/api.md).
+  if (scan.token) headers["X-Scan-Token"] = scan.token;
   if (scan.lastId) headers["Last-Event-ID"] = scan.lastId;
   const response = await fetch(url, { headers, signal: scan.controller.signal });
   if (!response.ok) throw await apiError(response);

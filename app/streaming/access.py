@@ -56,6 +56,8 @@ class Reader:
 
     user_id: str | None
     token: str | None = None
+    # Whose share of the followers of other replicas' scans a follow takes (app/scans/followers.py).
+    rate_key: str = ""
 
 
 class ScanAccess:
@@ -91,10 +93,17 @@ class ScanAccess:
         return body
 
     async def events(
-        self, scan_id: uuid.UUID, reader: Reader | None, *, after: int, headers: dict[str, str] | None = None
+        self,
+        scan_id: uuid.UUID,
+        reader: Reader | None,
+        *,
+        after: int,
+        headers: dict[str, str] | None = None,
+        follower: str | None = None,
     ) -> Response:
         """The scan's events with `seq > after`, identical to what was first sent, then
-        live until the terminal one."""
+        live until the terminal one. `follower` keys the follower caps: the reader's rate
+        key, or the caller's for a replay (which has no reader)."""
         run, stored = await self._find(scan_id, reader)
         if run is not None:
             if _past_the_end(run.log, after):
@@ -104,7 +113,9 @@ class ScanAccess:
         if stored.event_log is None:
             if stored.status != "running":
                 raise ScanEventsGone()
-            return await self._follow_elsewhere(scan_id, after, headers)
+            key = follower if follower is not None else reader.rate_key if reader else None
+            assert key, "a follow is always keyed by its caller"
+            return await self._follow_elsewhere(scan_id, after, headers, follower=key)
         log = EventLog.from_json(stored.event_log)
         if _past_the_end(log, after):
             return Response(status_code=204, headers=headers)
@@ -113,13 +124,13 @@ class ScanAccess:
         )
 
     async def _follow_elsewhere(
-        self, scan_id: uuid.UUID, after: int, headers: dict[str, str] | None
+        self, scan_id: uuid.UUID, after: int, headers: dict[str, str] | None, *, follower: str
     ) -> Response:
         """A scan another replica runs, from the Redis Stream it mirrors its events to."""
         if self._streams is None:
             raise ScanRunningElsewhere()
         ended_after = functools.partial(self._ended_after, scan_id)
-        entries = await self._streams.follow(scan_id, after, ended_after=ended_after)
+        entries = await self._streams.follow(scan_id, after, ended_after=ended_after, follower=follower)
         if entries is None:
             return Response(status_code=204, headers=headers)
         return followed_response(str(scan_id), entries, self._metrics, ping_s=self._ping_s, headers=headers)
@@ -142,10 +153,14 @@ class ScanAccess:
         fields = {"code": code, "message": message, "retryable": code in RETRYABLE_CODES}
         return [LogEntry(position + 1, progress, RecordedEvent(kind="error", step=step, recorded=fields))]
 
-    def replay(self, scan_id: uuid.UUID, *, headers: dict[str, str] | None = None) -> Awaitable[Response]:
+    def replay(
+        self, scan_id: uuid.UUID, *, follower: str, headers: dict[str, str] | None = None
+    ) -> Awaitable[Response]:
         """A repeated POST's answer: the scan its idempotency key names, from the start.
-        The key (same caller, same request) is the proof of ownership here."""
-        return self.events(scan_id, None, after=0, headers=headers)
+        The key (same caller, same request) is the proof of ownership here; `follower` is
+        the caller's rate key, so a replay that follows another replica counts against the
+        caller's own follower cap."""
+        return self.events(scan_id, None, after=0, headers=headers, follower=follower)
 
     async def cancel(self, scan_id: uuid.UUID, reader: Reader) -> dict[str, Any]:
         run, stored = await self._find(scan_id, reader)

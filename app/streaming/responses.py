@@ -15,8 +15,8 @@ row, releases its admission ticket). The generator never awaits that cleanup.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, Protocol
 
 import orjson
 
@@ -57,9 +57,19 @@ def replayed_response(
     return _response(job_id, _stored(job_id, log, after, metrics), ping_s, headers)
 
 
+class FollowedEntries(Protocol):
+    """A follow's entries (app/scans/mirror.py's `Following`), closed when the response ends."""
+
+    def __aiter__(self) -> AsyncIterator[LogEntry]: ...
+
+    def __anext__(self) -> Awaitable[LogEntry]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
+
+
 def followed_response(
     job_id: str,
-    entries: AsyncIterator[LogEntry],
+    entries: FollowedEntries,
     metrics: Metrics,
     *,
     ping_s: float,
@@ -67,7 +77,28 @@ def followed_response(
 ) -> EventStreamResponse:
     """A scan another replica runs, from the Redis Stream it mirrors its log to
     (app/scans/mirror.py): the same bytes its owner sends."""
-    return _response(job_id, _mirrored(job_id, entries, metrics), ping_s, headers)
+    return _response(job_id, _FollowedBody(_mirrored(job_id, entries, metrics), entries), ping_s, headers)
+
+
+class _FollowedBody:
+    """The frames of a follow; closing it closes the follow too (giving back its follower
+    slot), even before the first frame, when the generator has no `finally` to run."""
+
+    def __init__(self, frames: AsyncGenerator[bytes, None], following: FollowedEntries) -> None:
+        self._frames = frames
+        self._following = following
+
+    def __aiter__(self) -> _FollowedBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._frames.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._frames.aclose()
+        finally:
+            await self._following.aclose()
 
 
 def _response(
@@ -121,7 +152,9 @@ def encode_batch(job_id: str, batch: list[LogEntry]) -> bytes:
     return b"".join([encode_event(job_id, entry) for entry in batch])
 
 
-async def _mirrored(job_id: str, entries: AsyncIterator[LogEntry], metrics: Metrics) -> AsyncIterator[bytes]:
+async def _mirrored(
+    job_id: str, entries: AsyncIterator[LogEntry], metrics: Metrics
+) -> AsyncGenerator[bytes, None]:
     metrics.streams_open.inc()
     try:
         async for entry in entries:

@@ -12,6 +12,8 @@ from app.errors import (
     ClientDisconnected,
     DatabaseUnavailable,
     EcoscanError,
+    FollowerLimit,
+    GatewaySecretInvalid,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -35,10 +37,17 @@ from app.errors import (
 # The scan endpoint refuses with every client mistake and admission refusal of the error
 # tree but these: nobody reads a 499, and the scans-as-resources refusals belong to the
 # endpoints that read, follow or cancel a scan (of them, a POST that repeats an earlier
-# one with its `Idempotency-Key` can only meet `SCAN_RUNNING_ELSEWHERE`). Derived, so
+# one with its `Idempotency-Key` can only meet `SCAN_RUNNING_ELSEWHERE` and `FOLLOWER_LIMIT`). Derived, so
 # that a refusal added to the tree is documented with it.
 _NOT_SCAN_REFUSALS: frozenset[type[EcoscanError]] = frozenset(
-    {ClientDisconnected, NotFound, ScanNotFound, ScanConflict, ScanAlreadyFinished, ScanEventsGone}
+    {
+        ClientDisconnected,
+        NotFound,
+        ScanNotFound,
+        ScanConflict,
+        ScanAlreadyFinished,
+        ScanEventsGone,
+    }
 )
 
 
@@ -63,12 +72,14 @@ def scan_refusals() -> list[type[EcoscanError]]:
 
 # What the identity layer (app/intake/identity.py) refuses with, wherever it is asked who calls:
 # a malformed X-User-ID (gateway mode), no identity where one is required, a bad or
-# expired bearer token (jwt mode), and the JWKS keys unavailable (AUTH_JWKS_URL).
+# expired bearer token (jwt mode), the JWKS keys unavailable (AUTH_JWKS_URL), and an
+# X-User-ID without the gateway's secret (AUTH_GATEWAY_SECRET).
 IDENTITY_REFUSALS: list[type[EcoscanError]] = [
     InvalidRequest,
     Unauthorized,
     TokenInvalid,
     TokenExpired,
+    GatewaySecretInvalid,
     ServerBusy,
 ]
 
@@ -81,6 +92,7 @@ SCAN_EVENTS_ERRORS: list[type[EcoscanError]] = [
     ScanNotFound,
     ScanRunningElsewhere,
     ScanEventsGone,
+    FollowerLimit,
     *IDENTITY_REFUSALS,
     *_READ_FAILURES,
 ]

@@ -248,7 +248,10 @@ _READER_PARAMETERS: list[dict[str, Any]] = [
         "name": "token",
         "in": "query",
         "required": False,
-        "description": "The same as `X-Scan-Token`, for clients that cannot set headers (EventSource).",
+        "description": (
+            "The same as `X-Scan-Token`, only for clients that cannot set headers (EventSource): "
+            "a query string is written to proxies' access logs. Prefer the header."
+        ),
         "schema": {"type": "string"},
     },
 ]
