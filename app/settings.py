@@ -27,6 +27,13 @@ MIN_SECRET_BYTES = 32
 # guessed, visible ASCII so that every proxy passes it unchanged.
 MIN_GATEWAY_SECRET_CHARS = 16
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+# Several items in one photo (MAX_ITEMS): more than this is a list, not a photo of things to
+# sort, and each item is prompt and reply tokens on both calls.
+MAX_ITEMS_CEILING = 12
+# One more item in the vision reply: a category path, a name, up to four tags, a box and
+# the JSON around them. The longest the simulator writes is ~105 of its tokens (it counts
+# every Hangul syllable as one, stricter than OpenAI's tokenizers).
+TOKENS_PER_EXTRA_ITEM = 110
 # Settings that hold secrets may instead be read from a file: `<NAME>_FILE` names it (a
 # compose or Kubernetes secret), so the value never sits in the process's environment.
 FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret", "auth_gateway_secret")
@@ -61,6 +68,8 @@ class Settings:
     answer_model: str = "gpt-4o-mini"
     vision_detail: str = "low"
     vision_max_tokens: int = 120
+    # Items one photo may name (app/stages/items.py); the vision call's cap grows with it.
+    max_items: int = 5
     answer_max_tokens: int = 500
     openai_token_param: str = "auto"
     vision_reasoning_effort: str | None = None
@@ -226,6 +235,8 @@ class Settings:
             raise SettingsError("UPSTREAM_PROBE_MAX_S must be at least UPSTREAM_OPEN_S")
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
+        if not 1 <= self.max_items <= MAX_ITEMS_CEILING:
+            raise SettingsError(f"MAX_ITEMS must be between 1 and {MAX_ITEMS_CEILING}, got {self.max_items}")
         self._check_charges()
         self._check_models()
         self._check_redis()
@@ -362,13 +373,19 @@ class Settings:
         vision = stage == "vision"
         return call_shape(
             model or (self.vision_model if vision else self.answer_model),
-            output_tokens=self.vision_max_tokens if vision else self.answer_max_tokens,
+            output_tokens=self.vision_output_tokens if vision else self.answer_max_tokens,
             effort=self.vision_reasoning_effort if vision else self.answer_reasoning_effort,
             token_param=token_param or self.openai_token_param,
             # A classifier should give the same photo the same label; the answer keeps
             # the model's default sampling. Dropped where the model only takes the default.
             temperature=0.0 if vision else None,
         )
+
+    @property
+    def vision_output_tokens(self) -> int:
+        """The vision reply's cap: `VISION_MAX_TOKENS` for the first item, and room for each
+        further item `MAX_ITEMS` allows (a category path, a name, tags and a box each)."""
+        return self.vision_max_tokens + TOKENS_PER_EXTRA_ITEM * (self.max_items - 1)
 
     def deployments(self) -> tuple[Deployment, ...] | None:
         """The deployments UPSTREAMS or UPSTREAMS_FILE lists, keys not yet looked up; None

@@ -161,11 +161,20 @@ async def test_scan_stream_response(service: Service) -> None:
     assert ok["headers"]["Idempotent-Replayed"]["required"] is False
     assert ok["headers"]["Idempotent-Replayed"]["schema"]["enum"] == ["true"]
     item = ok["content"]["text/event-stream"]["itemSchema"]
-    assert item["properties"]["event"]["enum"] == ["stage", "delta", "discard", "done", "error"]
+    assert item["properties"]["event"]["enum"] == [
+        "stage",
+        "items",
+        "item",
+        "item_rule",
+        "delta",
+        "discard",
+        "done",
+        "error",
+    ]
     by_event = {
         branch["properties"]["event"]["const"]: branch["properties"]["data"] for branch in item["oneOf"]
     }
-    assert set(by_event) == {"stage", "delta", "discard", "done", "error"}
+    assert set(by_event) == {"stage", "items", "item", "item_rule", "delta", "discard", "done", "error"}
     for data in by_event.values():
         assert data["contentMediaType"] == "application/json"
 
@@ -179,11 +188,24 @@ async def test_scan_stream_response(service: Service) -> None:
         "situation_tags",
         "disposal_rules",
         "disposal_rules_reason",
+        "items",
+        "items_dropped",
+        "item_rules",
         "answer",
         "reward",
         "upstreams",
         "timings",
     }
+    assert set(schema_of("items")["required"]) == common | {"count", "main", "dropped"}
+    assert set(schema_of("item")["required"]) == common | {
+        "index",
+        "main",
+        "classification",
+        "item_name",
+        "situation_tags",
+        "box",
+    }
+    assert set(schema_of("item_rule")["required"]) == common | {"index", "disposal_rules", "reason"}
     assert set(schema_of("error")["required"]) == common | {"code", "message", "retryable"}
     assert set(schema_of("delta")["required"]) == common | {"text"}
     stages = [resolve(document, ref) for ref in by_event["stage"]["contentSchema"]["oneOf"]]

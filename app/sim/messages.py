@@ -32,6 +32,7 @@ class Prompt:
     text: str = ""
     schema_key: bytes = b""
     prefixes: tuple[bytes, ...] = ()  # see app/sim/prompt_cache.py; empty under MIN_TOKENS
+    image_key: bytes = b""  # a digest of the images alone: what a photo shows, whatever is asked
     hangul: int = 0  # Hangul syllables in its text (the limiter may count them its own way)
 
 
@@ -48,6 +49,7 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "expected a non-empty array")
     hasher = hashlib.sha256()
+    image_hasher = hashlib.sha256()
     tokens = REPLY_PRIMING
     has_image = mentions_json = False
     hangul = 0
@@ -75,6 +77,7 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
                 )
             has_image = True
             hasher.update(b"\x00image\x00" + text.encode())
+            image_hasher.update(text.encode())
             parts.append(Part(image_tokens(text, detail, family.images), label=f"{detail} {text}"))
             tokens += parts[-1].tokens
         if role == "user":
@@ -93,8 +96,18 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
         hangul += count_hangul(schema_text)
     parts.append(Part(REPLY_PRIMING, label="assistant priming"))
     prefixes = prefix_digests(parts) if tokens >= MIN_TOKENS else ()
+    image_key = image_hasher.digest() if has_image else b""
     return Prompt(
-        tokens, has_image, format_type, schema, hasher.digest(), user_text, schema_key, prefixes, hangul
+        tokens,
+        has_image,
+        format_type,
+        schema,
+        hasher.digest(),
+        user_text,
+        schema_key,
+        prefixes,
+        hangul=hangul,
+        image_key=image_key,
     )
 
 
