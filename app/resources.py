@@ -67,6 +67,7 @@ from app.settings import Settings, SettingsError
 from app.stages.base import BudgetedStage, Stage, StageClass, StageEnv, StageResult
 from app.stages.order import STAGES
 from app.streaming.access import ScanAccess
+from app.upstream.affinity import PrefixAffinity
 from app.upstream.breaker import Breaker
 from app.upstream.client import Upstream
 from app.upstream.deployments import Deployment, DeploymentError, with_key
@@ -365,7 +366,12 @@ async def _upstream(
     )
     shared = _shared_breakers(breakers, redis, metrics, clock, stack)
     upstream = Upstream(
-        Router(routes, clock, spill_after_s=settings.max_budget_wait_s),
+        Router(
+            routes,
+            clock,
+            spill_after_s=settings.max_budget_wait_s,
+            affinity=PrefixAffinity(clock=clock.now) if settings.upstream_cache_affinity else None,
+        ),
         gates=gates,
         retry=retry,
         metrics=metrics,

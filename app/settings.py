@@ -127,6 +127,9 @@ class Settings:
     hedge_min_s: float = 1.0
     hedge_max_s: float = 10.0
     hedge_budget: float = 0.05
+    # Prompt-cache affinity (app/upstream/affinity.py): a call whose prompt's first 1,024
+    # tokens were sent to a deployment lately goes there again when it can take it as soon.
+    upstream_cache_affinity: bool = True
 
     # --- many replicas, one key (app/runtime/redis_link.py, app/limits/shared_budget.py) -------
     # Set: the OpenAI budget, per-user caps and running scans' events are shared by every

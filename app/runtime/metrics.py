@@ -193,6 +193,14 @@ class Metrics:
             ["model", "kind"],
             registry=r,
         )
+        # Per deployment: each organisation keeps its own prompt cache (app/upstream/affinity.py).
+        self.upstream_prompt_tokens = Counter(
+            "ecoscan_upstream_prompt_tokens_total",
+            "Prompt tokens by deployment and stage, from usage: prompt (all) and cached (served "
+            "from that deployment's prompt cache).",
+            ["upstream", "stage", "kind"],
+            registry=r,
+        )
         self.upstream_retries = Counter(
             "ecoscan_upstream_retries_total",
             "Retried OpenAI calls by reason.",

@@ -319,6 +319,7 @@ class Upstream:
                     lambda r: r.limiter_tokens(r.estimate(request), request.kind),
                     avoid=failed_on,
                     within_s=until() - self._clock.now(),
+                    prefix=self.router.prefix_of(request),
                 )
             except NoRoute as none:
                 if none.returning and await self._ride_out(request.stage, until()):
@@ -599,6 +600,9 @@ class Upstream:
         tokens.labels(call.model, "completion").inc(usage[1])
         tokens.labels(call.model, "reasoning").inc(usage[2])
         tokens.labels(call.model, "cached").inc(usage[3])
+        by_deployment = self._metrics.upstream_prompt_tokens  # a provider's prompt cache is its own
+        by_deployment.labels(route.name, call.stage, "prompt").inc(usage[0])
+        by_deployment.labels(route.name, call.stage, "cached").inc(usage[3])
 
     def _transport_failure(
         self,

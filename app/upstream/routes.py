@@ -12,9 +12,11 @@ concurrency limit (app/limits/route_limits.py; all of them when none has room, o
 with room can admit it in time), ties broken by the smallest share of its limit in use
 once the call is counted (weighted least connections: each route's share of the calls
 follows its limit);
-routes that already failed this call only when nothing else is left. A route's limit
-does not pass a priority over: a standby takes the calls a primary's budget or breaker
-cannot, not those past the primary's limit (the stage gate bounds those).
+routes that already failed this call only when nothing else is left. The route with room
+that the call's cacheable prompt prefix went to last takes it instead of the one chosen
+so, when it admits it as soon (app/upstream/affinity.py: a prompt cache is kept per
+organisation). A route's limit does not pass a priority over: a standby takes the calls
+a primary's budget or breaker cannot, not those past the primary's limit (the stage gate bounds those).
 `Router.predicted_wait`, what admission asks, spends the routes' capacity in the same
 order.
 """
@@ -30,6 +32,7 @@ from app.limits.clock import Clock
 from app.limits.rate_budget import RateBudget
 from app.limits.route_limits import RouteLimit
 from app.limits.timeouts import RecentPeak
+from app.upstream.affinity import PrefixAffinity, prefix_key
 from app.upstream.breaker import Breaker
 from app.upstream.call import ChatCall, ChatRequest
 from app.upstream.deployments import Deployment
@@ -153,11 +156,20 @@ class NoRoute(Exception):
 
 
 class Router:
-    def __init__(self, routes: Sequence[Route], clock: Clock, *, spill_after_s: float = math.inf) -> None:
+    def __init__(
+        self,
+        routes: Sequence[Route],
+        clock: Clock,
+        *,
+        spill_after_s: float = math.inf,
+        affinity: PrefixAffinity | None = None,
+    ) -> None:
         """`spill_after_s`: the longest a call waits for a priority's budgets while the
-        next priority's could take it sooner (`MAX_BUDGET_WAIT_S`, what admission accepts)."""
+        next priority's could take it sooner (`MAX_BUDGET_WAIT_S`, what admission accepts);
+        `affinity`: where prompts' prefixes went last (None: `UPSTREAM_CACHE_AFFINITY` off)."""
         self._clock = clock
         self._spill_after_s = spill_after_s
+        self._affinity = affinity
         self.by_stage: dict[str, list[Route]] = {}
         for route in routes:
             self.by_stage.setdefault(route.stage, []).append(route)
@@ -174,6 +186,10 @@ class Router:
         routes = self.by_stage.get(stage, [])
         return [r for r in routes if r.breaker.ready(now)] or [r for r in routes if not r.breaker.out]
 
+    def prefix_of(self, request: ChatRequest) -> int | None:
+        """The key of `request`'s cacheable prefix for `pick`; None with affinity off."""
+        return None if self._affinity is None else prefix_key(request)
+
     def pick(
         self,
         stage: str,
@@ -181,12 +197,27 @@ class Router:
         *,
         avoid: Mapping[str, object] | None = None,
         within_s: float | None = None,
+        prefix: int | None = None,
     ) -> Route:
         """The route the next attempt of a `stage` call takes (see the module docstring).
         `tokens(route)`: what the call would reserve there; `within_s`: the time left to
-        the call's deadline. A priority whose budgets cannot admit the call by then, or
-        within `spill_after_s`, is passed over for the next (with none that can, the
-        route that admits it soonest)."""
+        the call's deadline; `prefix`: its prompt's `prefix_of`. A priority whose budgets
+        cannot admit the call by then, or within `spill_after_s`, is passed over for the
+        next (with none that can, the route that admits it soonest)."""
+        if self._affinity is None or prefix is None:
+            return self._pick(stage, tokens, avoid, within_s, None)
+        route = self._pick(stage, tokens, avoid, within_s, self._affinity.home(stage, prefix))
+        self._affinity.sent(stage, prefix, route.name)
+        return route
+
+    def _pick(
+        self,
+        stage: str,
+        tokens: Callable[[Route], int],
+        avoid: Mapping[str, object] | None,
+        within_s: float | None,
+        home: str | None,
+    ) -> Route:
         now = self._clock.now()
         routes = self.by_stage.get(stage, [])
         ready = [r for r in routes if r.breaker.ready(now)]
@@ -215,7 +246,9 @@ class Router:
                 return level[0]
             roomy = [r for r in level if r.limit.has_room]
             if roomy and wait(chosen := sooner(roomy)) <= horizon_s:
-                return chosen
+                # Where the prompt's prefix is cached, when it takes the call as soon.
+                cached = next((r for r in roomy if r.name == home), None)
+                return cached if cached is not None and wait(cached) <= wait(chosen) else chosen
             chosen = sooner(level)
             if wait(chosen) <= horizon_s:
                 return chosen
