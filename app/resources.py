@@ -33,6 +33,7 @@ from app.intake.identity import Authenticator
 from app.intake.parsing import InputLimits
 from app.limits.adaptive import AdaptiveLimit
 from app.limits.admission import Admission
+from app.limits.charge_learning import KINDS, ChargeLearner
 from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
 from app.limits.late_timeouts import LateTimeouts
@@ -69,11 +70,15 @@ from app.settings import Settings, SettingsError
 from app.stages.base import BudgetedStage, Stage, StageClass, StageEnv, StageResult
 from app.stages.order import STAGES
 from app.streaming.access import ScanAccess
+from app.upstream.affinity import PrefixAffinity
 from app.upstream.breaker import Breaker
 from app.upstream.client import Upstream
 from app.upstream.deployments import Deployment, DeploymentError, with_key
 from app.upstream.endpoint import ChatEndpoint
+from app.upstream.hedging import HedgeBudget, HedgePolicy
 from app.upstream.negotiation import Negotiation
+from app.upstream.probes import Prober
+from app.upstream.profiles import DEFAULT_PROFILE, profile_for
 from app.upstream.providers import PROVIDERS
 from app.upstream.routes import Route, Router
 from app.upstream.shared_breaker import SharedBreakers
@@ -315,7 +320,9 @@ async def _upstream(
     breakers: dict[str, Breaker] = {}
     for d in deployments:
         provider = PROVIDERS[d.provider]
-        breaker = breakers[d.health_id()] = Breaker(d.name, open_base_s=settings.upstream_open_s)
+        breaker = breakers[d.health_id()] = Breaker(
+            d.name, open_base_s=settings.upstream_open_s, open_max_s=settings.upstream_probe_max_s
+        )
         metrics.upstream_state.labels(d.name).set_function(breaker.gauge)
         for stage in ("vision", "answer"):
             model = d.model_for(stage)
@@ -324,6 +331,9 @@ async def _upstream(
             key = d.budget_key(model)
             if key not in budgets:
                 budgets[key] = _budget(settings, key, (d.rpm, d.tpm), redis, metrics, clock, stack)
+                budgets[key].charges = ChargeLearner(
+                    settings.charge_learning_config(), headers=provider.rate_headers
+                )
             if (d.name, model) not in endpoints:
                 endpoint = ChatEndpoint.open(
                     provider.chat_url(d, model),
@@ -337,7 +347,10 @@ async def _upstream(
                 )
                 stack.push_async_callback(_bounded_close, f"connections to {d.name}", endpoint.aclose)
                 endpoints[(d.name, model)] = endpoint
-                negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}")
+                # A provider we know serving a model its profile describes: what it takes is
+                # known; any other (a compatible server, a model we do not know) is found out.
+                known = d.provider != "compatible" and profile_for(model) is not DEFAULT_PROFILE
+                negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}", settled=known)
             shape = settings.call_shape(stage, model=model, token_param=d.token_param)
             routes.append(
                 Route(
@@ -359,16 +372,32 @@ async def _upstream(
     )
     shared = _shared_breakers(breakers, redis, metrics, clock, stack)
     upstream = Upstream(
-        Router(routes, clock, spill_after_s=settings.max_budget_wait_s),
+        Router(
+            routes,
+            clock,
+            spill_after_s=settings.max_budget_wait_s,
+            affinity=PrefixAffinity(clock=clock.now) if settings.upstream_cache_affinity else None,
+        ),
         gates=gates,
         retry=retry,
         metrics=metrics,
         clock=clock,
-        shared_breakers=shared,
+        negotiation_wait_s=settings.negotiation_wait_s,
+        ride_out_s=settings.upstream_ride_out_s,
+        hedging=HedgePolicy(
+            settings.hedge_factor,
+            settings.hedge_min_s,
+            settings.hedge_max_s,
+            HedgeBudget(settings.hedge_budget),
+        ),
         late_timeouts=LateTimeouts(
             lateness, lambda stage, cause: metrics.upstream_timeouts.labels(stage, cause).inc()
         ),
     )
+    # The breakers' probes: the service's own requests, never a user's call.
+    prober = Prober(routes, clock, metrics, shared=shared)
+    prober.start()
+    stack.push_async_callback(_bounded_close, "upstream probes", prober.aclose)
     return upstream, deployments[0].base_url, simulator
 
 
@@ -710,6 +739,10 @@ def _bind_gauges(
         metrics.budget_waiters.labels(model).set_function(_reader(budget, "waiting"))
         metrics.budget_limit.labels(model, "requests").set_function(_reader(budget, "effective_rpm"))
         metrics.budget_limit.labels(model, "tokens").set_function(_reader(budget, "effective_tpm"))
+        for kind in KINDS:
+            metrics.upstream_charge_ratio.labels(model, kind).set_function(
+                functools.partial(budget.charges.ratio, kind)
+            )
     for stage, gate in gates.items():
         metrics.semaphore_in_use.labels(stage).set_function(_reader(gate, "in_use"))
     for route in upstream.routes:

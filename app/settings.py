@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from app.limits.charge_learning import ChargeLearning
 from app.limits.sizing import LimitSpec
 from app.runtime.redaction import redact_url
 from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
@@ -26,6 +27,13 @@ MIN_SECRET_BYTES = 32
 # guessed, visible ASCII so that every proxy passes it unchanged.
 MIN_GATEWAY_SECRET_CHARS = 16
 _LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+# Several items in one photo (MAX_ITEMS): more than this is a list, not a photo of things to
+# sort, and each item is prompt and reply tokens on both calls.
+MAX_ITEMS_CEILING = 12
+# One more item in the vision reply: a category path, a name, up to four tags, a box and
+# the JSON around them. The longest the simulator writes is ~105 of its tokens (it counts
+# every Hangul syllable as one, stricter than OpenAI's tokenizers).
+TOKENS_PER_EXTRA_ITEM = 110
 # Settings that hold secrets may instead be read from a file: `<NAME>_FILE` names it (a
 # compose or Kubernetes secret), so the value never sits in the process's environment.
 FILE_SETTINGS = ("database_url", "openai_api_key", "redis_url", "auth_jwt_secret", "auth_gateway_secret")
@@ -60,12 +68,15 @@ class Settings:
     answer_model: str = "gpt-4o-mini"
     vision_detail: str = "low"
     vision_max_tokens: int = 120
+    # Items one photo may name (app/stages/items.py); the vision call's cap grows with it.
+    max_items: int = 5
     answer_max_tokens: int = 500
     openai_token_param: str = "auto"
     vision_reasoning_effort: str | None = None
     answer_reasoning_effort: str | None = None
-    # How long a failing deployment's breaker stays open at first (doubling, up to 60 s).
-    upstream_open_s: float = 5.0
+    # How long after a deployment's breaker opens the service's first probe of it goes
+    # (app/upstream/probes.py); each failed probe doubles it, up to UPSTREAM_PROBE_MAX_S.
+    upstream_open_s: float = 1.0
     openai_connect_timeout_s: float = 5.0
     openai_read_timeout_s: float = 20.0
     vision_timeout_s: float = 30.0
@@ -95,6 +106,33 @@ class Settings:
     retry_max_attempts: int = 4
     retry_base_delay_s: float = 0.25
     retry_max_delay_s: float = 8.0
+    # What each provider's limiter charges, learned from its replies (app/limits/charge_learning.py).
+    charge_learning: bool = True
+    charge_ratio_min: float = 0.25
+    charge_ratio_max: float = 4.0
+    charge_step: float = 0.15
+    charge_margin: float = 0.02
+
+    # --- upstream health: negotiation in one flight, probes (app/upstream/negotiation.py, probes.py)
+    # How long a call waits for the one call finding out whether its deployment takes a
+    # parameter it has not answered for yet; then it goes as it is.
+    negotiation_wait_s: float = 2.0
+    # The longest pause between two probes of a deployment that is down: how late a
+    # deployment that came back may be found (app/upstream/probes.py).
+    upstream_probe_max_s: float = 3.0
+    # The longest a call waits for a deployment's return when every deployment of its stage
+    # is down (within its deadline): short outages are ridden out, long ones fail the call.
+    upstream_ride_out_s: float = 20.0
+    # Hedging (app/upstream/hedging.py): a call whose reply has not begun by its deployment's
+    # recent first-byte p99 x HEDGE_FACTOR (within HEDGE_MIN_S..HEDGE_MAX_S) is sent again to
+    # another deployment; at most HEDGE_BUDGET of the last minute's calls (0: never).
+    hedge_factor: float = 1.5
+    hedge_min_s: float = 1.0
+    hedge_max_s: float = 10.0
+    hedge_budget: float = 0.05
+    # Prompt-cache affinity (app/upstream/affinity.py): a call whose prompt's first 1,024
+    # tokens were sent to a deployment lately goes there again when it can take it as soon.
+    upstream_cache_affinity: bool = True
 
     # --- many replicas, one key (app/runtime/redis_link.py, app/limits/shared_budget.py) -------
     # Set: the OpenAI budget, per-user caps and running scans' events are shared by every
@@ -196,8 +234,17 @@ class Settings:
                 "BODY_BUFFER_MAX_BYTES must hold at least one largest body (4/3 x IMAGE_MAX_BYTES + 64 KiB)"
             )
         self._check_upload_caps()
+        if self.hedge_max_s < self.hedge_min_s:
+            raise SettingsError("HEDGE_MAX_S must be at least HEDGE_MIN_S")
+        if self.hedge_budget > 1:
+            raise SettingsError("HEDGE_BUDGET must be a fraction of the calls, at most 1")
+        if self.upstream_probe_max_s < self.upstream_open_s:
+            raise SettingsError("UPSTREAM_PROBE_MAX_S must be at least UPSTREAM_OPEN_S")
         if self.image_long_side < 64:
             raise SettingsError("IMAGE_LONG_SIDE must be at least 64")
+        if not 1 <= self.max_items <= MAX_ITEMS_CEILING:
+            raise SettingsError(f"MAX_ITEMS must be between 1 and {MAX_ITEMS_CEILING}, got {self.max_items}")
+        self._check_charges()
         self._check_models()
         self._check_redis()
         self._check_identity()
@@ -206,6 +253,16 @@ class Settings:
             # A base URL without a key would silently fall back to the simulator.
             raise SettingsError("OPENAI_BASE_URL is set but OPENAI_API_KEY is not")
 
+    def charge_learning_config(self) -> ChargeLearning:
+        """The `CHARGE_*` settings as every budget's learner takes them."""
+        return ChargeLearning(
+            self.charge_learning,
+            self.charge_ratio_min,
+            self.charge_ratio_max,
+            self.charge_step,
+            self.charge_margin,
+        )
+
     def limit(self, name: str) -> LimitSpec:
         """One of the `SIZED_LIMITS` as set: sized (`auto`, `auto:N`) or fixed."""
         value = getattr(self, name)
@@ -213,6 +270,16 @@ class Settings:
             return LimitSpec.parse(env_name(name), str(value), minimum=0 if name in _MAY_BE_ZERO else 1)
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
+
+    def _check_charges(self) -> None:
+        if not 0 < self.charge_ratio_min <= 1:
+            raise SettingsError(f"CHARGE_RATIO_MIN must be in (0, 1], got {self.charge_ratio_min}")
+        if self.charge_ratio_max < 1:
+            raise SettingsError(f"CHARGE_RATIO_MAX must be >= 1, got {self.charge_ratio_max}")
+        if not 0 < self.charge_step <= 1:
+            raise SettingsError(f"CHARGE_STEP must be in (0, 1], got {self.charge_step}")
+        if not 0 <= self.charge_margin < 1:
+            raise SettingsError(f"CHARGE_MARGIN must be in [0, 1), got {self.charge_margin}")
 
     def _check_identity(self) -> None:
         """AUTH_*: one mode, one key source, and nothing set that the mode ignores."""
@@ -313,13 +380,19 @@ class Settings:
         vision = stage == "vision"
         return call_shape(
             model or (self.vision_model if vision else self.answer_model),
-            output_tokens=self.vision_max_tokens if vision else self.answer_max_tokens,
+            output_tokens=self.vision_output_tokens if vision else self.answer_max_tokens,
             effort=self.vision_reasoning_effort if vision else self.answer_reasoning_effort,
             token_param=token_param or self.openai_token_param,
             # A classifier should give the same photo the same label; the answer keeps
             # the model's default sampling. Dropped where the model only takes the default.
             temperature=0.0 if vision else None,
         )
+
+    @property
+    def vision_output_tokens(self) -> int:
+        """The vision reply's cap: `VISION_MAX_TOKENS` for the first item, and room for each
+        further item `MAX_ITEMS` allows (a category path, a name, tags and a box each)."""
+        return self.vision_max_tokens + TOKENS_PER_EXTRA_ITEM * (self.max_items - 1)
 
     def deployments(self) -> tuple[Deployment, ...] | None:
         """The deployments UPSTREAMS or UPSTREAMS_FILE lists, keys not yet looked up; None
@@ -375,6 +448,7 @@ _AUTO_IS_DEFAULT = frozenset({"cpu_max_workers"})
 
 # Settings where 0 is meaningful (0 retries, no flush delay, no admission wait...).
 _MAY_BE_ZERO = {
+    "hedge_budget",
     "db_pool_min",
     "cpu_queue_limit",
     "admission_wait_s",
@@ -391,6 +465,7 @@ _MAY_BE_ZERO = {
     "answer_cache_ttl_s",
     "disconnect_grace_s",
     "gc_young_threshold",
+    "charge_margin",
     "user_scan_rate_per_min",
     "user_daily_scan_quota",
     "loop_utilisation_target",

@@ -12,6 +12,12 @@ polls the simulator's stats every 5 s, and reports per-window throughput from th
     python k6/budget_bench.py --vus 200 --duration 240s --warmup 60 --sim-shared-rpm 200  # shared key
     python k6/budget_bench.py --replicas 3 --sim-tpm 200000 --service-tpm 200000  # 3 replicas
     python k6/budget_bench.py --replicas 3 --kill-at 120 ...                      # SIGKILL one
+    python k6/budget_bench.py --sim-charge-factor 0.6 --language ko ...            # learned charges
+
+--sim-charge-factor / --sim-charge-hangul make the simulator's limiter count differently
+from the service's estimate (SIM_CHARGE_FACTOR, SIM_CHARGE_HANGUL); the report then says
+what share of the simulator's TPM its limiter charged in the steady state, and the
+charge ratios the service learned (app/limits/charge_learning.py).
 
 Every replica (--replicas N) gets the key's whole limit and REDIS_URL (--redis-url,
 a fresh prefix per run), k6 sends each scan to the next replica in turn, and the report
@@ -84,6 +90,14 @@ def main() -> int:
     p.add_argument(
         "--sim-shared-rpm", type=int, default=0, help="another user of the key takes this many requests/min"
     )
+    p.add_argument(
+        "--sim-charge-factor", type=float, default=1.0, help="the limiter counts this x its formula"
+    )
+    p.add_argument(
+        "--sim-charge-hangul", type=float, default=1.0, help="tokens the limiter counts per Hangul"
+    )
+    p.add_argument("--sim-time-scale", type=float, default=1.0, help="the simulator's latency scale")
+    p.add_argument("--language", choices=("mixed", "ko", "en"), default="mixed", help="the scans' notes")
     p.add_argument("--service-rpm", type=int, default=500)
     p.add_argument("--service-tpm", type=int, default=500_000)
     p.add_argument("--image-set", choices=make_images.GROUPS, default="small")
@@ -110,6 +124,13 @@ def main() -> int:
         sim_cmd = [str(BIN / "python"), "-m", "app.sim", "--port", str(sim_port)]
         sim_cmd += ["--rpm", str(args.sim_rpm), "--tpm", str(args.sim_tpm)]
         sim_cmd += ["--shared-rpm", str(args.sim_shared_rpm)]
+        sim_cmd += [
+            "--charge-factor",
+            str(args.sim_charge_factor),
+            "--charge-hangul",
+            str(args.sim_charge_hangul),
+        ]
+        sim_cmd += ["--time-scale", str(args.sim_time_scale)]
         procs.append(
             subprocess.Popen(sim_cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         )
@@ -157,6 +178,7 @@ def main() -> int:
             "VUS": str(args.vus),
             "DURATION": args.duration,
             "IMAGE_SET": args.image_set,
+            "USER_INPUT_LANG": "" if args.language == "mixed" else args.language,
             "SUMMARY_JSON": str(args.out / "k6-summary.json"),
             **stage_env(),
         }
@@ -288,6 +310,8 @@ def report(
         f"tokens/scan={tokens_per_scan:.0f}",
         f"steady state: {completed} completed in {window:.0f}s = {rate:.3f} scans/s "
         f"= {100 * rate / bound:.1f}% of the {bound:.3f} scans/s bound",
+        spent_line(args, timeline),
+        learned_line(scrapes),
         f"simulator: requests {last.get('requests_total')}, 429s {last.get('rate_limited_total')}, "
         f"by_status {last.get('by_status')}",
         "429s by 5 s poll (t: cumulative): "
@@ -302,6 +326,34 @@ def report(
     print(text)
     (args.out / "report.txt").write_text(text + "\n")
     (args.out / "timeline.json").write_text(json.dumps(timeline))
+
+
+def spent_line(args: argparse.Namespace, timeline: list[dict[str, Any]]) -> str:
+    """The share of the simulator's TPM its limiter charged after the warm-up (what the key
+    allows, whatever the service estimated), between the first poll past it and the last
+    one within the run."""
+    seconds = float(args.duration.rstrip("s"))  # k6's own wind-down after it is not load
+    steady = [p for p in timeline if args.warmup <= p["t"] <= seconds]
+    if len(steady) < 2:
+        return "TPM spent: too few polls after the warm-up"
+    first, last = steady[0], steady[-1]
+    per_min = (last["tokens_charged_total"] - first["tokens_charged_total"]) / (last["t"] - first["t"]) * 60
+    bound = args.sim_tpm
+    return (
+        f"TPM spent (steady state, {first['t']:.0f}-{last['t']:.0f} s): {per_min:.0f} of {bound} "
+        f"= {100 * per_min / bound:.1f}% of the bound (charge factor {args.sim_charge_factor}, "
+        f"hangul {args.sim_charge_hangul}, notes {args.language})"
+    )
+
+
+def learned_line(scrapes: list[dict[str, float]]) -> str:
+    ratios = []
+    for s in scrapes:
+        for key, value in sorted(s.items()):
+            if key.startswith("ecoscan_upstream_charge_ratio{"):
+                kind = key.split('kind="', 1)[1].split('"', 1)[0]
+                ratios.append(f"{kind} {value:.3f}")
+    return "learned charge ratios (per replica): " + ", ".join(ratios)
 
 
 def completed_total(dsn: str) -> int:

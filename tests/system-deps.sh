@@ -20,6 +20,9 @@
 # there it only looks (well under a second, plus `docker info`). `make test SYSTEM_DEPS=skip`
 # does not run it.
 set -euo pipefail
+# dockerd and iptables live in sbin, which is not on a Debian user's PATH
+# (SYSTEM_SBIN: the directories looked in, for tests/test_system_deps.py).
+PATH="$PATH:${SYSTEM_SBIN-/usr/local/sbin:/usr/sbin:/sbin}"
 
 DOCKERD_LOG=${DOCKERD_LOG:-/tmp/dockerd.log}
 DOCKERD_START_S=60  # for a dockerd to answer `docker info` after it starts
@@ -29,9 +32,10 @@ have() { command -v "$1" >/dev/null 2>&1; }
 
 missing=()
 have chromium || [ -x /usr/bin/chromium ] || missing+=(chromium)
-if ! have dockerd || ! have mmdebstrap || ! have iptables; then
-  missing+=(docker.io mmdebstrap iptables)
-fi
+# docker.io only where no dockerd is (it conflicts with Docker's own docker-ce packages).
+have dockerd || missing+=(docker.io)
+have mmdebstrap || missing+=(mmdebstrap)
+have iptables || missing+=(iptables)
 have docker-compose || missing+=(docker-compose)
 have kubectl || missing+=(kubernetes-client)
 have redis-server || missing+=(redis-server)
@@ -54,6 +58,13 @@ if [ ${#missing[@]} -gt 0 ] || [ "$need_promtool" -eq 1 ]; then
   fi
   apt=(apt-get -o "DPkg::Lock::Timeout=$APT_LOCK_WAIT_S" -y -qq)
   echo "installing:${missing[*]:+ ${missing[*]}}$([ "$need_promtool" -eq 1 ] && echo ' prometheus')"
+  # Installed services (prometheus on 0.0.0.0:9090, docker) are not started by the install:
+  # the tests start what they need themselves. Only where no policy is in force already.
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+    chmod +x /usr/sbin/policy-rc.d
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
   DEBIAN_FRONTEND=noninteractive "${apt[@]}" update
   if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive "${apt[@]}" install "${missing[@]}"
@@ -65,9 +76,10 @@ fi
 
 # A dockerd that answers; one that runs but does not answer yet is waited for, never doubled.
 docker_answers() { timeout 10 docker info >/dev/null 2>&1; }
+dockerd_runs() { grep -qsx dockerd /proc/[0-9]*/comm; } # no pgrep on a minimal Debian
 if ! docker_answers; then
   if [ "$can_install" -eq 0 ]; then
-    if pgrep -x dockerd >/dev/null 2>&1; then
+    if dockerd_runs; then
       echo "dockerd runs but \`docker info\` fails for $(id -un): join the docker group," >&2
     else
       echo "dockerd is not running: start it as root (\`systemctl start docker\` or \`dockerd &\`)," >&2
@@ -75,7 +87,7 @@ if ! docker_answers; then
     echo "or run \`make test SYSTEM_DEPS=skip\` (the docker tests then skip)." >&2
     exit 1
   fi
-  if ! pgrep -x dockerd >/dev/null 2>&1; then
+  if ! dockerd_runs; then
     echo "starting dockerd (log: $DOCKERD_LOG)"
     # Its own session: it outlives this script and make, for the tests and the next run.
     setsid nohup dockerd >"$DOCKERD_LOG" 2>&1 </dev/null &

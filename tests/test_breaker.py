@@ -17,9 +17,9 @@ def test_three_failures_in_a_row_open_it_for_the_base_cooldown_then_one_probe_go
         assert b.state == CLOSED and b.ready(t)
     b.failed(0.2, "5xx")
     assert b.state == OPEN and not b.ready(1.0) and b.open_until == pytest.approx(2.2)
-    assert b.ready(2.2)
+    assert b.would_probe(2.2) and not b.ready(2.2)  # past the cooldown: a probe's, never a call's
     b.begin(2.2)
-    assert b.state == HALF_OPEN and not b.ready(2.3)  # one probe at a time
+    assert b.state == HALF_OPEN and not b.would_probe(2.3)  # one probe at a time
     b.succeeded(2.4)
     assert b.state == CLOSED and b.ready(2.4) and b.opened == 0
 
@@ -71,7 +71,7 @@ def test_failures_of_calls_already_out_when_it_opened_neither_extend_nor_double_
     assert b.state == OPEN and b.open_until == pytest.approx(2.02)
     for t in (0.03, 0.04, 0.05):
         b.failed(t, "5xx")
-    assert b.open_until == pytest.approx(2.02) and b.ready(2.02)
+    assert b.open_until == pytest.approx(2.02) and b.would_probe(2.02)
     b.failed(0.06, "429", wait_s=5.0)  # a provider's own wait still holds
     assert b.open_until == pytest.approx(5.06)
     b.begin(5.06)
@@ -108,9 +108,9 @@ def test_a_cancelled_probe_frees_the_slot() -> None:
     for _ in range(3):
         b.failed(0.0, "5xx")
     probe = b.begin(1.0)
-    assert probe and not b.ready(1.0)
+    assert probe and not b.would_probe(1.0)
     b.released(probe)
-    assert b.ready(1.0)
+    assert b.would_probe(1.0)
 
 
 def test_a_stale_probe_does_not_free_a_newer_ones_slot() -> None:
@@ -122,17 +122,38 @@ def test_a_stale_probe_does_not_free_a_newer_ones_slot() -> None:
     second = b.begin(3.1)
     assert second and second != first
     b.released(first)  # the first call's cleanup, late: not the probe in flight
-    assert b.probing and not b.ready(3.2)
+    assert b.probing and not b.would_probe(3.2)
     b.released(second)
-    assert b.ready(3.2)
+    assert b.would_probe(3.2)
 
 
 def test_taking_out_is_loud_and_lasts(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR)
     b = Breaker("azure-eu")
     b.take_out(0.0, "401: invalid key", 300.0)
-    assert b.out and not b.ready(299.0) and b.ready(300.0)
+    assert b.out and not b.would_probe(299.0) and b.would_probe(300.0) and not b.ready(300.0)
     assert any("azure-eu taken out" in r.getMessage() for r in caplog.records)
     b.begin(300.0)
     b.succeeded(300.5)
     assert not b.out and b.state == CLOSED
+
+
+def test_the_cap_of_the_probes_backoff_is_a_setting_and_a_return_is_told_to_who_waits() -> None:
+    b = Breaker("a", open_base_s=1.0, open_max_s=3.0)
+    now = 0.0
+    for _ in range(3):
+        b.failed(now, "connection")
+    cooldowns = []
+    for _ in range(4):
+        now = b.open_until
+        b.begin(now)
+        b.failed(now, "connection")
+        cooldowns.append(b.open_until - now)
+    assert cooldowns == [2.0, 3.0, 3.0, 3.0]  # however long the outage, probed every 3 s at most
+    told: list[str] = []
+    b.watch_closed(lambda: told.append("back"))
+    b.begin(b.open_until)
+    b.succeeded(b.open_until + 0.1, started=b.open_until)
+    assert told == ["back"] and b.ready(now)
+    b.succeeded(now + 20)  # already closed: nobody is told again
+    assert told == ["back"]

@@ -632,15 +632,20 @@ def compose_lb_healthcheck() -> list[str]:
 
 
 def test_balancer_errors_are_the_apis_json_with_retry_after() -> None:
-    """nginx's own 502/503/504 (no replica, or none in time) and 413 answer like the
+    """nginx's own 502/503/504 (no replica, or none in time), 400, 408, 413 and 414 answer like the
     service: JSON {"detail", "code"}, with codes docs/api.md lists, and Retry-After on the
     retryable ones."""
     server = public_server()
     api = (REPO / "docs" / "api.md").read_text()
-    pages = dict(re.findall(r"error_page\s+(\d+)\s+=?\s*(@\w+);", server))
-    assert set(pages) == {"400", "413", "494", "502", "503", "504"}, pages
-    # nginx's 494 (a header line over its buffers) is the service's 431.
-    sent_as = {"494": "431"}
+    pages = {
+        status: location
+        for statuses, location in re.findall(r"error_page\s+([\d\s]+?)\s+=?\s*(@\w+);", server)
+        for status in statuses.split()
+    }
+    assert set(pages) == {"400", "408", "413", "414", "494", "502", "503", "504"}, pages
+    # nginx's 494 (a header line over its buffers) and 414 (a request line over them) are
+    # the service's 431.
+    sent_as = {"494": "431", "414": "431"}
     for status, location in pages.items():
         body = nginx_location(server, location)
         assert "default_type application/json;" in body

@@ -103,6 +103,27 @@ async def test_rows_written_before_scopes_had_kinds_keep_their_retries(
         assert again.headers["x-scan-id"] == firsts[who].headers["x-scan-id"]
 
 
+async def test_migration_008_moves_users_whose_new_scopes_collide_with_old_ones(
+    service: Service, db: asyncpg.Connection
+) -> None:
+    """Users `bob` and `u:bob` used the same Idempotency-Key before scopes had kinds: `bob`
+    becomes `u:bob` while the other row still holds that scope, which the unique index
+    refuses row by row unless the move goes through a prefix no scope holds."""
+    key = f"k-{uuid.uuid4()}"
+    bob = f"bob-{uuid.uuid4().hex[:6]}"
+    u_bob = f"u:{bob}"
+    for n, user in enumerate((bob, u_bob)):
+        headers = {"X-User-ID": user, "Idempotency-Key": key}
+        await run_scan(service.client, json={"image_url": data_url(make_jpeg(430 + n))}, headers=headers)
+        await db.execute(
+            "UPDATE scans SET idempotency_scope = $1 WHERE idempotency_key = $2 AND user_id = $1", user, key
+        )
+    migration = next(m for m in bundled_migrations() if m.name == "008_identity_scopes.sql")
+    await db.execute(migration.sql)
+    rows = await db.fetch("SELECT user_id, idempotency_scope FROM scans WHERE idempotency_key = $1", key)
+    assert {(r["user_id"], r["idempotency_scope"]) for r in rows} == {(bob, u_bob), (u_bob, f"u:{u_bob}")}
+
+
 async def test_with_a_gateway_secret_only_the_gateway_names_users(
     database_url: str, sim: RunningSimulator
 ) -> None:

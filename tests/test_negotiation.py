@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from app.upstream.negotiation import Negotiation, without_keywords
@@ -73,3 +74,39 @@ def test_the_400_wordings_of_each_provider_name_the_parameter() -> None:
     assert gemini.refused_parameter(400, gemini.error_info(body)) == "safety_identifier"
     assert openai.refused_parameter(429, ErrorInfo(message=said)) is None
     assert openai.refused_parameter(400, ErrorInfo(message="Invalid image.")) is None
+
+
+async def test_one_call_finds_out_while_calls_of_the_same_parameters_wait_for_it() -> None:
+    n = Negotiation("d/m")
+    names = n.names_in(BODY)
+    assert {"temperature", "safety_identifier", "strict", "additionalProperties"} <= names
+    trial, waited = await n.turn(names, wait_s=30.0)
+    assert trial is not None and waited == "none"
+    follower = asyncio.create_task(n.turn(names, wait_s=30.0))
+    await asyncio.sleep(0)
+    assert not follower.done()  # it waits for the trial's answer
+    assert n.learn("temperature")  # the trial was refused: it ends, the follower looks again
+    n.end(trial)
+    second, waited = await follower
+    assert second is not None and waited == "answered"  # still unanswered names: its turn
+    third = asyncio.create_task(n.turn(names, wait_s=30.0))
+    await asyncio.sleep(0)
+    n.accept(names - {"temperature"})  # a 2xx: every name answered, the waiter goes at once
+    assert await third == (None, "answered")
+    assert await n.turn(names, wait_s=30.0) == (None, "none")
+
+
+async def test_a_trial_that_ends_without_an_answer_hands_the_turn_on_and_a_wait_is_bounded() -> None:
+    n = Negotiation("d/m")
+    names = frozenset({"temperature"})
+    trial, _ = await n.turn(names, wait_s=30.0)
+    assert trial is not None
+    assert await n.turn(names, wait_s=0.0) == (None, "timed_out")  # goes as it is
+    waiter = asyncio.create_task(n.turn(names, wait_s=30.0))
+    await asyncio.sleep(0)
+    n.end(trial)  # a 5xx, a timeout, a cancel: no answer, the next call tries
+    nxt, waited = await waiter
+    assert nxt is not None and waited == "answered"
+    # Other parameters do not wait for it, nor does a model whose outcomes are known.
+    assert (await n.turn(frozenset({"top_p"}), wait_s=30.0))[0] is not None
+    assert await Negotiation("d/m", settled=True).turn(names, wait_s=30.0) == (None, "none")

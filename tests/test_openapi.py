@@ -161,11 +161,20 @@ async def test_scan_stream_response(service: Service) -> None:
     assert ok["headers"]["Idempotent-Replayed"]["required"] is False
     assert ok["headers"]["Idempotent-Replayed"]["schema"]["enum"] == ["true"]
     item = ok["content"]["text/event-stream"]["itemSchema"]
-    assert item["properties"]["event"]["enum"] == ["stage", "delta", "discard", "done", "error"]
+    assert item["properties"]["event"]["enum"] == [
+        "stage",
+        "items",
+        "item",
+        "item_rule",
+        "delta",
+        "discard",
+        "done",
+        "error",
+    ]
     by_event = {
         branch["properties"]["event"]["const"]: branch["properties"]["data"] for branch in item["oneOf"]
     }
-    assert set(by_event) == {"stage", "delta", "discard", "done", "error"}
+    assert set(by_event) == {"stage", "items", "item", "item_rule", "delta", "discard", "done", "error"}
     for data in by_event.values():
         assert data["contentMediaType"] == "application/json"
 
@@ -179,11 +188,24 @@ async def test_scan_stream_response(service: Service) -> None:
         "situation_tags",
         "disposal_rules",
         "disposal_rules_reason",
+        "items",
+        "items_dropped",
+        "item_rules",
         "answer",
         "reward",
         "upstreams",
         "timings",
     }
+    assert set(schema_of("items")["required"]) == common | {"count", "main", "dropped"}
+    assert set(schema_of("item")["required"]) == common | {
+        "index",
+        "main",
+        "classification",
+        "item_name",
+        "situation_tags",
+        "box",
+    }
+    assert set(schema_of("item_rule")["required"]) == common | {"index", "disposal_rules", "reason"}
     assert set(schema_of("error")["required"]) == common | {"code", "message", "retryable"}
     assert set(schema_of("delta")["required"]) == common | {"text"}
     stages = [resolve(document, ref) for ref in by_event["stage"]["contentSchema"]["oneOf"]]
@@ -203,15 +225,16 @@ async def test_scan_errors_come_from_the_error_tree(service: Service) -> None:
 
     # Every client mistake and admission refusal the scan endpoint can answer with: all
     # but a 499 and the refusals of reading / cancelling a scan (a POST repeating an
-    # earlier one with its Idempotency-Key can meet SCAN_RUNNING_ELSEWHERE).
-    resource_only = (ScanNotFound, ScanConflict, ScanAlreadyFinished, ScanEventsGone, FollowerLimit)
+    # earlier one with its Idempotency-Key can meet SCAN_RUNNING_ELSEWHERE and, following it
+    # there, FOLLOWER_LIMIT).
+    resource_only = (ScanNotFound, ScanConflict, ScanAlreadyFinished, ScanEventsGone)
     refusals = [
         cls
         for base in (RequestRejected, Overloaded)
         for cls in subclasses(base)
         if cls not in (ClientDisconnected, NotFound, *resource_only)
     ]
-    assert ScanRunningElsewhere in refusals
+    assert ScanRunningElsewhere in refusals and FollowerLimit in refusals
     assert set(refusals) <= set(scan_refusals())
     for cls in [*refusals]:
         response = responses[str(cls.status)]

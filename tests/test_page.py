@@ -168,6 +168,54 @@ def _assert_sent_as_uploaded(sim: RunningSimulator, upload: bytes) -> None:
     assert sent == upload, "the service re-encoded the page's photo"
 
 
+async def test_a_photo_of_several_items_draws_each_box_and_rule_card_at_360px(
+    service: Service, sim: RunningSimulator, tmp_path: Path
+) -> None:
+    await sim_configure(sim, time_scale=0.05, text_tokens=200)
+    photo = tmp_path / "pet.jpg"
+    photo.write_bytes(make_jpeg(11, (1600, 1200)))
+    problems: list[str] = []
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=chromium_path(), headless=True)
+        try:
+            page = await browser.new_page(viewport={"width": 360, "height": 740})
+            page.on("console", lambda m: problems.append(f"console: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"pageerror: {e}"))
+            await page.goto(service.url + "/")
+            await page.set_input_files("#photo-pick", str(photo))
+            await page.fill("#question", "생수병, 라벨, 플라스틱 뚜껑 어떻게 버려요?")
+            await page.click("#send")
+            await page.wait_for_selector(
+                '#result[data-state="done"], #result[data-state="error"]', timeout=60_000
+            )
+            assert await _state(page) == "done", await page.inner_text("#error")
+            assert await page.is_visible("#items-card")
+            await page.wait_for_function("document.getElementById('items-img').complete")
+            photo_box = await page.locator("#items-img").bounding_box()
+            assert photo_box is not None and photo_box["width"] <= 360
+            labels = []
+            for index in range(3):
+                frame = page.locator(f'#items-boxes [data-index="{index}"]')
+                box = await frame.bounding_box()
+                assert box is not None, index
+                # Inside the photo as shown (a box past the frame's edge was clamped).
+                assert box["x"] >= photo_box["x"] - 1 and box["y"] >= photo_box["y"] - 1
+                assert box["x"] + box["width"] <= photo_box["x"] + photo_box["width"] + 1
+                assert box["y"] + box["height"] <= photo_box["y"] + photo_box["height"] + 1
+                labels.append(await frame.inner_text())
+            assert labels == ["1. 생수병", "2. 라벨", "3. 플라스틱 뚜껑"]
+            cards = page.locator("#items-list .item-entry")
+            assert await cards.count() == 3
+            for index in range(3):
+                assert (await cards.nth(index).locator(".item-rule").inner_text()).strip(), index
+            assert "(주 품목)" in await cards.nth(0).inner_text()
+            assert await page.evaluate("document.documentElement.scrollWidth") <= 360
+            await page.screenshot(path=str(tmp_path / "items-360.png"), full_page=True)
+        finally:
+            await browser.close()
+    assert not problems, problems
+
+
 async def test_the_page_resumes_an_anonymous_scan_with_its_token_in_the_header(
     service: Service, tmp_path: Path
 ) -> None:

@@ -19,9 +19,11 @@ from app.runtime.metrics import Metrics
 from app.scans.events import (
     AnswerDelta,
     EventLog,
+    ItemsFound,
     LogEntry,
     ScanDone,
     ScanErrored,
+    ScanEvent,
     StageCompleted,
     StageStarted,
 )
@@ -70,7 +72,11 @@ async def test_a_scan_publishes_each_stage_in_order_then_done(resources: Resourc
     scan, entries = await start_scan(resources, 61)
     assert_well_formed(entries)
     stage_events = [(type(e.event), e.event.step) for e in entries if not isinstance(e.event, AnswerDelta)]
-    expected = [(kind, step) for step in STAGES for kind in (StageStarted, StageCompleted)]
+    expected: list[tuple[type[ScanEvent], str]] = [
+        (kind, step) for step in STAGES for kind in (StageStarted, StageCompleted)
+    ]
+    # A photo of one item: today's events, and the item count as vision finds it.
+    expected.insert(1, (ItemsFound, "vision"))
     assert stage_events == [*expected, (ScanDone, "done")]
     deltas = [i for i, e in enumerate(entries) if isinstance(e.event, AnswerDelta)]
     answer_started = next(i for i, e in enumerate(entries) if e.event == StageStarted("answer"))

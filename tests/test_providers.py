@@ -45,6 +45,24 @@ def test_the_wait_is_where_each_provider_puts_it() -> None:
     assert PROVIDERS["gemini"].error_info({"error": "not an object"}).code is None
 
 
+def test_a_429_says_which_limit_ran_out_where_the_provider_says_it() -> None:
+    """A token 429 tells the learned charge it was too low; a request 429 says nothing of it."""
+    openai = {"error": {"message": "Rate limit reached ... on tokens per min (TPM)", "type": "tokens"}}
+    assert PROVIDERS["openai"].error_info(openai).limit == "tokens"
+    assert PROVIDERS["openai"].error_info({"error": {"type": "requests"}}).limit == "requests"
+    assert PROVIDERS["openai"].error_info({"error": {"type": "invalid_request_error"}}).limit is None
+
+    def google(metric: str) -> list[dict[str, object]]:
+        violation = {"quotaMetric": f"generativelanguage.googleapis.com/{metric}", "quotaValue": "1000"}
+        details = [{"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [violation]}]
+        return [{"error": {"code": 429, "status": "RESOURCE_EXHAUSTED", "details": details}}]
+
+    gemini = PROVIDERS["gemini"]
+    assert gemini.error_info(google("generate_content_paid_tier_input_token_count")).limit == "tokens"
+    assert gemini.error_info(google("generate_requests_per_model")).limit == "requests"
+    assert gemini.error_info(google("something_else")).limit is None
+
+
 def test_gemini_bills_an_image_by_768px_tiles() -> None:
     billing = PROVIDERS["gemini"].image_billing("gemini-2.5-flash")
     assert billing is not None

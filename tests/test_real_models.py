@@ -17,6 +17,7 @@ import pytest
 from openai.types.chat import completion_create_params
 
 from app.sim.server import RunningSimulator
+from app.upstream.breaker import FAILURES_TO_OPEN
 
 from .conftest import (
     Service,
@@ -139,7 +140,8 @@ async def test_replies_that_are_not_answers_end_with_their_own_code(
     assert (row["status"], row["error_code"], row["error_step"]) == ("failed", code, stage)
     if code == "UPSTREAM_REFUSED":
         assert "can't help" in error.data["message"]  # the model's own words reach the client
-    attempts = (await sim_stats(sim))["requests_total"] - (1 if stage == "answer" else 0)
+    # The scan's own attempts (the service's probes of an open deployment are no attempt).
+    attempts = service.metric("ecoscan_upstream_routed_total", {"upstream": "openai", "stage": stage})
     # A refusal or a filter is an answer: not retried. A cut-off stream is: retried.
     expected = service.settings.retry_max_attempts if knob == "truncate_next" else 1
     assert attempts == expected
@@ -195,6 +197,7 @@ async def test_a_refused_connection_is_a_connection_error_and_costs_no_budget(
         openai_base_url=f"http://127.0.0.1:{closed_port()}/v1",
         openai_rpm=6,
         rate_burst_fraction=1.0,
+        upstream_ride_out_s=0.5,  # it never comes back: the call's wait for it ends soon
     )
     async with running_service(settings) as svc:
         outcome = await scan(svc, 48)
@@ -202,8 +205,9 @@ async def test_a_refused_connection_is_a_connection_error_and_costs_no_budget(
         assert (error.event, error.data["code"], error.data["step"]) == ("error", "UPSTREAM_ERROR", "vision")
         row = await scan_row(db, error.data["job_id"])
         assert (row["status"], row["error_code"]) == ("failed", "UPSTREAM_ERROR")
+        # Attempts until its breaker opened, then a wait for its return (no attempts spent).
         retries = {"model": "gpt-4o-mini", "reason": "connection"}
-        assert svc.metric("ecoscan_upstream_retries_total", retries) == settings.retry_max_attempts - 1
+        assert svc.metric("ecoscan_upstream_retries_total", retries) == FAILURES_TO_OPEN - 1
         assert svc.metric("ecoscan_upstream_retries_total", {**retries, "reason": "timeout"}) == 0
         available = {"model": "gpt-4o-mini", "resource": "requests"}
         assert await eventually(lambda: svc.metric("ecoscan_budget_available", available) >= 5.99)
@@ -241,12 +245,18 @@ async def test_a_malformed_reply_is_a_retried_connection_error_not_an_internal_o
     # aiohttp refuses the header line.
     garbled = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nno colon here\r\n\r\n{}"
     upstream = CannedUpstream(garbled)
-    async with upstream as url, running_service(settings_for(database_url, sim, openai_base_url=url)) as svc:
+    async with (
+        upstream as url,
+        running_service(settings_for(database_url, sim, openai_base_url=url, upstream_ride_out_s=0.5)) as svc,
+    ):
         error = (await scan(svc, 49)).terminal
         assert (error.event, error.data["code"], error.data["retryable"]) == ("error", "UPSTREAM_ERROR", True)
-        assert upstream.requests == svc.settings.retry_max_attempts
+        # Attempts until its breaker opened (the requests beyond are the service's probes).
+        calls = {"model": "gpt-4o-mini", "endpoint": "chat.completions", "status": "error"}
+        assert svc.metric("ecoscan_upstream_calls_total", calls) == FAILURES_TO_OPEN
+        assert upstream.requests >= FAILURES_TO_OPEN
         retries = {"model": "gpt-4o-mini", "reason": "connection"}
-        assert svc.metric("ecoscan_upstream_retries_total", retries) == svc.settings.retry_max_attempts - 1
+        assert svc.metric("ecoscan_upstream_retries_total", retries) == FAILURES_TO_OPEN - 1
     assert "unexpected error" not in caplog.text and "Traceback" not in caplog.text
 
 

@@ -41,6 +41,10 @@ async def test_scans_name_known_items_with_fitting_tags_and_rule_steps(service: 
     recyclables = rewarded = 0
     for seed in SEEDS:
         data = await scan(service, seed)
+        if len(data["items"]) > 1:  # a photo of several: one answer covering them all
+            steps = "\n".join(data["answer"]["steps"])
+            assert all(item["item_name"] in steps for item in data["items"]), data["answer"]
+            continue
         c = data["classification"]
         assert data["item_name"] in items[(c["major"], c["middle"])], data
         assert c["minor"] == data["item_name"]  # a known item: the service keeps it as minor

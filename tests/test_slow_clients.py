@@ -216,6 +216,27 @@ async def test_a_stalled_large_body_gives_its_bytes_back_within_the_gap_timeout(
         assert outcome.terminal.event == "done"
 
 
+async def test_a_fast_start_then_a_trickle_is_cut_at_the_pace_of_what_is_missing(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """Issue 34: most of a big body fast, then a byte now and then, each inside the gap
+    timeout. The deadline fixed at the start (50 s here) is not what ends it: after the fast
+    part, what is missing at the minimum rate is due within about 2 s."""
+    settings = settings_for(
+        database_url, sim, body_read_timeout_s=1.0, body_min_bytes_per_s=1000, body_gap_timeout_s=10
+    )
+    async with running_service(settings) as svc, slow_upload(svc, 50_000) as upload:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await upload.send(b" " * 49_000)
+        await upload.trickle(b" ", every_s=0.25, for_s=1.0)
+        status, _, body = await upload.response(timeout_s=40)
+        assert (status, body["code"]) == (408, "BODY_READ_TIMEOUT")
+        assert "BODY_GAP_TIMEOUT_S" not in body["detail"]
+        assert loop.time() - started < 30  # the deadline fixed at the start was 51 s away
+        assert await eventually(lambda: svc.metric("ecoscan_request_body_bytes_buffered") == 0)
+
+
 async def test_one_client_cannot_hold_more_than_its_upload_cap(
     database_url: str, sim: RunningSimulator
 ) -> None:

@@ -53,6 +53,8 @@ def strict_schema_problems(schema: dict[str, Any]) -> list[str]:
                 walk(child, f"{path}.{name}", depth + 1)
         if isinstance(node.get("items"), dict):
             walk(node["items"], f"{path}[]", depth + 1)
+        for i, branch in enumerate(node.get("anyOf", [])):
+            walk(branch, f"{path}|{i}", depth + 1)
 
     walk(schema, "$", 1)
     if totals["properties"] > MAX_PROPERTIES:

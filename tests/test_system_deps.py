@@ -21,7 +21,7 @@ def test_without_apt_it_names_what_to_install_and_stops(tmp_path: Path) -> None:
         (tools / name).symlink_to(found)
     done = subprocess.run(
         [str(tools / "bash"), str(SCRIPT)],
-        env={"PATH": str(tools)},
+        env={"PATH": str(tools), "SYSTEM_SBIN": str(tmp_path / "sbin")},
         capture_output=True,
         text=True,
         timeout=SCRIPT_TIMEOUT_S,

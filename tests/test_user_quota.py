@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from app.errors import Overloaded, UserOverLimit, UserQuotaExhausted, UserRateLimited
+from app.limits import user_quota as user_quota_module
 from app.limits.user_quota import (
     QUOTA_WINDOW_S,
     RATE_WINDOW_S,
@@ -162,6 +163,44 @@ async def test_redis_away_falls_back_to_this_process_count(
             await quota.reserve("u:steady")
         finally:
             await quota.aclose()
+
+
+async def test_a_give_back_redis_missed_is_taken_when_it_answers_again(own_redis: RedisServer) -> None:
+    """Issue 34 review: a scan refused while Redis hangs gives its place back; Redis does not
+    take it then, and the daily window would otherwise keep that place for 24 hours. It is
+    sent again until Redis takes it, and the other replica sees the place free."""
+    async with (
+        redis_link(own_redis.url, "quota-return", timeout_s=0.2) as link_a,
+        redis_link(own_redis.url, "quota-return", timeout_s=0.2) as link_b,
+        user_quota(windows(0, 1), link_a) as a,
+        user_quota(windows(0, 1), link_b) as b,
+    ):
+        held = await a.reserve("u:paused")
+        assert isinstance(await refusal(b, "u:paused"), UserQuotaExhausted)
+        own_redis.freeze()
+        try:
+            held.give_back()
+            assert await eventually(lambda: a.unreturned == 1, attempts=100, interval=0.05)
+        finally:
+            own_redis.thaw()
+        assert await eventually(lambda: a.unreturned == 0, attempts=200, interval=0.05)
+        await b.reserve("u:paused")  # the place is free across replicas again
+
+
+async def test_a_reservation_that_reaches_redis_after_its_give_back_adds_nothing(
+    redis_server_url: str, redis_prefix: str
+) -> None:
+    """A reserve call that timed out may still be queued in Redis when its give-back goes
+    out on another connection; the give-back's tombstone keeps the late reserve from
+    taking a place nobody will give back."""
+    async with redis_link(redis_server_url, redis_prefix) as link, user_quota(windows(0, 1), link) as quota:
+        member = "late-reserve"
+        keys = quota._keys("u:late", member)
+        await quota._send_give_back("u:late", member)  # the give-back wins the race
+        script = link.script(user_quota_module._RESERVE)
+        assert await script(keys=keys, args=[member, 1, QUOTA_WINDOW_S]) == [0, 0]
+        assert await link.client.zcard(keys[0]) == 0
+        await quota.reserve("u:late")  # the one place is still there
 
 
 async def test_this_process_forgets_callers_with_nothing_in_their_windows() -> None:

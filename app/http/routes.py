@@ -67,7 +67,9 @@ async def classify_completion(request: Request) -> Response:
     r = resources(request)
     accepted = await r.acceptance.accept(request)
     if isinstance(accepted, RepeatedScan):
-        return await r.access.replay(accepted.scan_id, headers={"Idempotent-Replayed": "true"})
+        return await r.access.replay(
+            accepted.scan_id, follower=accepted.caller.rate_key, headers={"Idempotent-Replayed": "true"}
+        )
     headers = {"X-Scan-Token": accepted.token} if accepted.token else {}
     if (retry_of := accepted.run.scan.retry_of) is not None:
         headers["X-Retry-Of"] = str(retry_of)

@@ -5,12 +5,14 @@ Three bounds, all on what uploads really cost — time and memory, not admission
 - **A gap timeout.** No part of the body for `BODY_GAP_TIMEOUT_S` → 408
   `BODY_READ_TIMEOUT`, connection closed: a client that sends 14 MB fast and stops gives
   its bytes back within the gap, not at the end of the deadline.
-- **A deadline fixed when reading starts**: `BODY_READ_TIMEOUT_S` plus one second per
+- **A deadline that only comes closer**: `BODY_READ_TIMEOUT_S` plus one second per
   `BODY_MIN_BYTES_PER_S` bytes of the declared `Content-Length` (of the size limit, for a
-  chunked body), so a 10 MB photo from a slow phone still gets through while a client
-  trickling 10 B/s (or one that declared more than it sends) is cut off → 408. Bytes
-  already received earn no more time: a fast start followed by a trickle, one byte per
-  gap, ends at the same deadline.
+  chunked body) when reading starts, so a 10 MB photo from a slow phone still gets through
+  while a client trickling 10 B/s (or one that declared more than it sends) is cut off →
+  408. After each chunk it is moved closer when what is still missing, at the minimum rate
+  from now, would end sooner: bytes received earn no more time, and a fast start followed
+  by a trickle, one byte per gap, is cut within `BODY_READ_TIMEOUT_S` plus the rest's
+  allowance.
 - **Caps on the bytes buffered at once**: across every request being read
   (`BODY_BUFFER_MAX_BYTES` → 503 `UPLOADS_AT_CAPACITY`) and per client, keyed like the
   per-user caps (`BODY_BUFFER_MAX_BYTES_PER_CLIENT` → 429 `CLIENT_UPLOADS_AT_CAPACITY`), so
@@ -127,9 +129,17 @@ class BodyReader:
             async with asyncio.timeout_at(min(final_at, started + self._gap_s)) as deadline:
                 async for chunk in request.stream():
                     body.add(chunk)
-                    gap_ends = loop.time() + self._gap_s
+                    now = loop.time()
+                    # The deadline only ever comes closer: what is still missing must come at
+                    # the minimum rate from now on, so a body sent fast and then trickled a
+                    # byte per gap is cut at that pace, not after the whole size's allowance.
+                    left = max(expected - len(body.data), 0)
+                    final_at = min(final_at, now + self._timeout_s + left / self._min_bytes_per_s)
+                    gap_ends = now + self._gap_s
                     when = deadline.when() or final_at
-                    if gap_ends > when and when < final_at:
+                    if when > final_at:
+                        deadline.reschedule(final_at)
+                    elif gap_ends > when and when < final_at:
                         deadline.reschedule(min(final_at, gap_ends + DEADLINE_STEP_S))
         except TimeoutError:
             if (deadline.when() or final_at) < final_at:

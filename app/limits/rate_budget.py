@@ -14,6 +14,10 @@ Design decisions:
   is adopted, a higher one ignored (the key may be shared with callers we cannot see).
   Reading the headers is `rate_headers.py`; learning a shared key's net refill rate from
   them is `rate_learning.py`.
+- What the provider's limiter charges a call, against our estimate, is learned from the
+  same headers by `charges` (`charge_learning.py`): callers reserve what it says
+  (`Route.limiter_tokens`), count each call as it is sent (`sent`) and hand that back
+  with the reply's headers (`observe_headers(..., sent=)`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 
+from app.limits.charge_learning import ChargeLearner, Sent
 from app.limits.clock import Clock, MonotonicClock
 from app.limits.rate_headers import UpstreamSnapshot, lowercase_headers
 from app.limits.rate_learning import NetRateLearner
@@ -50,12 +55,13 @@ class BudgetDeadlineExceeded(BudgetError):
 class Reservation:
     """One admitted request: 1 request plus `tokens` tokens taken from the budget."""
 
-    __slots__ = ("_budget", "_settled", "tokens")
+    __slots__ = ("_budget", "_settled", "sent", "tokens")
 
     def __init__(self, budget: RateBudget, tokens: int) -> None:
         self._budget = budget
         self.tokens = tokens
         self._settled = False
+        self.sent: Sent | None = None  # the call as sent, once it is (`RateBudget.sent`)
 
     @property
     def settled(self) -> bool:
@@ -125,6 +131,9 @@ class RateBudget:
         self._obs_rpm: int | None = None
         self._obs_tpm: int | None = None
         self._learned = NetRateLearner()  # net refill per minute learned from headers
+        # What the limiter charges against our estimate (replaced by the owner with its
+        # provider's and settings' learner).
+        self.charges = ChargeLearner()
         self._req = self._tok = math.inf
         self._apply_limits()  # clamps the buckets to capacity: they start full
         self._last = self._clock.now()
@@ -208,14 +217,39 @@ class RateBudget:
 
     # ----- feedback from the upstream -----------------------------------------------------
 
-    def observe_headers(self, headers: Mapping[str, str]) -> None:
-        """Learn from `x-ratelimit-*` response headers; only ever lowers the budget."""
+    async def sent(self, kind: str, estimate: int) -> Sent:
+        """Number a call of `kind` about to be sent, whose limiter count is `estimate` by
+        today's formula: its reply's headers then say what it was charged."""
+        now = self._clock.now()
+        self.charges.relax(now)
+        return self.charges.count(kind, estimate, now)
+
+    def charge_refused(self, kind: str, reserved: int, wait_s: float | None, limit_type: str | None) -> None:
+        """A 429 for a call that reserved `reserved`: unless it says requests ran out, the
+        learned charge was too low (`charge_learning.py`); the wait it asked for, at our
+        refill, is what the limiter lacked."""
+        if limit_type == "requests":
+            return
+        missing = None if wait_s is None else wait_s * self.effective_tpm / 60.0
+        self.charges.rate_limited(kind, self._clock.now(), reserved=reserved, missing=missing)
+
+    def observe_headers(
+        self, headers: Mapping[str, str], *, sent: Sent | None = None, charged: bool = True
+    ) -> None:
+        """Learn from `x-ratelimit-*` response headers; only ever lowers the budget.
+        `sent`: the call they answer (`charged`: False for a 429), to learn its charge."""
         h = lowercase_headers(headers)
         if h is None:
             return
         # Refill at the old rates before anything changes.
         snap = UpstreamSnapshot.from_headers(h, observed_at=self._refill())
         self.last_upstream = snap
+        if sent is not None and snap.remaining_tokens is not None:
+            limit = snap.limit_tokens or self._cfg_tpm
+            refill = min(limit, self._learned.tpm) if self._learned.tpm is not None else limit
+            self.charges.observed(
+                sent, snap.remaining_tokens, limit=limit, refill_per_min=refill, charged=charged
+            )
         before = (self._effective(), self._req, self._tok)
         # Effective limit = min(configured, latest observed); a limit of 0 is treated as garbage.
         if snap.limit_requests:

@@ -25,6 +25,10 @@ Redis (shared_budget.lua, run atomically by Redis on Redis's clock):
 - A 429 anywhere pauses everyone: the pause is stored with the bucket and published
   on a channel every process listens to. Reported limits (and the net rate learned
   from them) and a lower `remaining` travel with the next lease call.
+- Calls sent on the key are counted in Redis (`sent`: the running sums of their
+  estimates, per kind), so that what the limiter charged between two of this process's
+  replies is set against every replica's calls sent in between
+  (app/limits/charge_learning.py). Redis away: calls go uncounted and teach nothing.
 - Redis unreachable or slow (`REDIS_TIMEOUT_S`): the process falls back to a local
   bucket at its last known share of the key (1 / the live holders Redis last counted;
   `COLD_SHARE` if it never reached Redis), logs it once and shows it in
@@ -50,6 +54,7 @@ import uuid
 from collections.abc import Callable
 from importlib import resources
 
+from app.limits.charge_learning import KINDS, Sent
 from app.limits.clock import Clock
 from app.limits.rate_budget import RateBudget, Reservation
 from app.limits.rate_headers import UpstreamSnapshot
@@ -76,6 +81,12 @@ LISTEN_POLL_S = 1.0
 LISTEN_BACKOFF_MAX_S = 10.0
 
 _SCRIPT = resources.files("app.limits").joinpath("shared_budget.lua").read_text()
+# A call's estimate added to the key's running sums, which come back: in one step, so no
+# other replica's call falls between the two.
+_COUNT_SCRIPT = (
+    "redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2]) "
+    f"return redis.call('HMGET', KEYS[1], '{KINDS[0]}', '{KINDS[1]}')"
+)
 
 
 class _EpochReservation(Reservation):
@@ -128,6 +139,8 @@ class SharedRateBudget(RateBudget):
         # The bucket, its live holders, those with demand, the channel announcing 429 pauses.
         parts = ("state", "holders", "active", "pause")
         self._keys = [link.key("budget", name, part) for part in parts]
+        self._sent_key = link.key("budget", name, "sent")  # every replica's calls, counted
+        self._count_script = link.script(_COUNT_SCRIPT)
         self._script = link.script(_SCRIPT)
         self.demand_share = self.fallback_share = COLD_SHARE
         self._req = self._tok = 0.0  # nothing is held before the first grant
@@ -229,6 +242,21 @@ class SharedRateBudget(RateBudget):
         if reservation.epoch == self.epoch:
             return actual_tokens
         return max(reservation.tokens, actual_tokens or 0)
+
+    async def sent(self, kind: str, estimate: int) -> Sent:
+        """Counted in Redis, with every replica's calls on the key (see module doc)."""
+        if not (self.shared and self.charges.headers and self.charges.config.enabled):
+            return await super().sent(kind, estimate)
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._link.timeout_s):
+                text, image = await self._count_script(keys=[self._sent_key], args=[kind, estimate])
+        except (RedisError, OSError, TimeoutError):
+            self._on_call("error", 0.0)
+            return Sent(None, self._clock.now(), kind, estimate)  # uncounted: it teaches nothing
+        self._on_call("sent", time.perf_counter() - started)
+        counted = (float(text or 0), float(image or 0))
+        return Sent(self.charges.next_number(), self._clock.now(), kind, estimate, counted)
 
     def pause(self, seconds: float) -> None:
         super().pause(seconds)

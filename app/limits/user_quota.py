@@ -12,6 +12,12 @@ by Redis's own clock; one script drops what has left the windows, checks both an
 both, so every replica sees one count, exactly. Giving back removes the member (safe to
 repeat, and a member never added is no-op).
 
+A give-back that Redis does not take is kept and sent again every `RETURN_RETRY_S` until
+Redis takes it (or its place has left the longest window), so a Redis pause does not cost a
+caller a day's place for a scan that never ran; and it leaves a short-lived tombstone, so a
+reservation that reaches Redis after its own give-back (a timed-out call still queued
+there) adds nothing.
+
 Redis failing never refuses a scan: this process counts its own reservations all along,
 and while Redis fails that count decides alone (each replica then allows the full rate and
 quota). The failure is counted (`ecoscan_user_quota_redis_errors_total`), logged once per
@@ -45,13 +51,21 @@ SKIP_AFTER_FAILURE_S = 1.0
 # This process's windows are swept of callers with nothing left in them every this many
 # reservations (a caller who never comes back is otherwise kept).
 SWEEP_EVERY = 1024
+# Give-backs Redis did not take are sent again this often, while it fails.
+RETURN_RETRY_S = 1.0
+# How long a given-back member's tombstone outlives the give-back: longer than any call of
+# the reservation that can still be on its way (the link's timeout, twice).
+TOMBSTONE_MS = 60_000
 
-# KEYS: one sorted set per window. ARGV: the member, then (limit, seconds) per window.
-# Returns {0, 0} when reserved, else {index of the full window (1-based), ms until it has room}.
+# KEYS: one sorted set per window, then the member's tombstone. ARGV: the member, then
+# (limit, seconds) per window. Returns {0, 0} when reserved (or already given back), else
+# {index of the full window (1-based), ms until it has room}.
 _RESERVE = """
+if redis.call('EXISTS', KEYS[#KEYS]) == 1 then return {0, 0} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-for i, key in ipairs(KEYS) do
+for i = 1, #KEYS - 1 do
+  local key = KEYS[i]
   local limit, window = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window)
   local held = redis.call('ZCARD', key)
@@ -60,15 +74,18 @@ for i, key in ipairs(KEYS) do
     return {i, math.ceil((tonumber(oldest[2]) + window - now) * 1000)}
   end
 end
-for i, key in ipairs(KEYS) do
+for i = 1, #KEYS - 1 do
+  local key = KEYS[i]
   redis.call('ZADD', key, now, ARGV[1])
   redis.call('PEXPIRE', key, math.ceil(tonumber(ARGV[2 * i + 1]) * 1000))
 end
 return {0, 0}
 """
 
+# KEYS as _RESERVE's; ARGV: the member, the tombstone's life in ms.
 _GIVE_BACK = """
-for _, key in ipairs(KEYS) do redis.call('ZREM', key, ARGV[1]) end
+for i = 1, #KEYS - 1 do redis.call('ZREM', KEYS[i], ARGV[1]) end
+redis.call('SET', KEYS[#KEYS], 1, 'PX', ARGV[2])
 return 0
 """
 
@@ -193,6 +210,10 @@ class UserQuota:
         self._instance = uuid.uuid4().hex[:12]
         self._serial = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Give-backs Redis did not take: (rate key, member) -> when its place leaves the
+        # longest window on its own (monotonic), after which there is nothing to give back.
+        self._unreturned: dict[tuple[str, str], float] = {}
+        self._retrying: asyncio.Task[None] | None = None
         self._failing = False
         self._skip_until = 0.0
 
@@ -224,7 +245,7 @@ class UserQuota:
             args += [window.limit, window.seconds]
         try:
             async with asyncio.timeout(self._link.timeout_s * 2):
-                full, wait_ms = await self._reserve_script(keys=self._keys(rate_key), args=args)
+                full, wait_ms = await self._reserve_script(keys=self._keys(rate_key, member), args=args)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)
             return "failed"
@@ -244,21 +265,47 @@ class UserQuota:
             self._spawn(self._remove_shared(rate_key, member))
 
     async def _remove_shared(self, rate_key: str, member: str) -> None:
+        if not await self._send_give_back(rate_key, member):
+            longest = max(window.seconds for window in self._limits)
+            self._unreturned[(rate_key, member)] = time.monotonic() + longest
+            if self._retrying is None or self._retrying.done():
+                self._retrying = asyncio.create_task(self._retry_give_backs())
+
+    async def _send_give_back(self, rate_key: str, member: str) -> bool:
         assert self._link is not None and self._give_back_script is not None
         try:
             async with asyncio.timeout(self._link.timeout_s * 2):
-                await self._give_back_script(keys=self._keys(rate_key), args=[member])
+                await self._give_back_script(keys=self._keys(rate_key, member), args=[member, TOMBSTONE_MS])
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)  # the place stays taken until it leaves its window
+            self._failed(exc)
+            return False
+        return True
+
+    async def _retry_give_backs(self) -> None:
+        """Until every give-back Redis missed is taken, or its place has left its windows."""
+        while self._unreturned:
+            await asyncio.sleep(RETURN_RETRY_S)
+            now = time.monotonic()
+            for (rate_key, member), expires in list(self._unreturned.items()):
+                if expires <= now or await self._send_give_back(rate_key, member):
+                    self._unreturned.pop((rate_key, member), None)
+                else:
+                    break  # Redis still fails: the rest waits for the next round
+
+    @property
+    def unreturned(self) -> int:
+        """Give-backs Redis has not taken yet (sent again every `RETURN_RETRY_S`)."""
+        return len(self._unreturned)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _keys(self, rate_key: str) -> list[str]:
+    def _keys(self, rate_key: str, member: str) -> list[str]:
         assert self._link is not None
-        return [self._link.key("user", rate_key, window.name) for window in self._limits]
+        windows = [self._link.key("user", rate_key, window.name) for window in self._limits]
+        return [*windows, self._link.key("user", rate_key, "returned", member)]
 
     def _failed(self, exc: BaseException) -> None:
         self._on_error()
@@ -279,6 +326,9 @@ class UserQuota:
 
     async def aclose(self) -> None:
         """Wait (bounded) for give-backs in flight; what is left leaves its window on its own."""
+        if self._retrying is not None:
+            self._retrying.cancel()
+            await asyncio.gather(self._retrying, return_exceptions=True)
         if self._tasks:
             timeout_s = self._link.timeout_s * 2 if self._link else 1.0
             await asyncio.wait(set(self._tasks), timeout=timeout_s)

@@ -194,6 +194,14 @@ class Metrics:
             ["model", "kind"],
             registry=r,
         )
+        # Per deployment: each organisation keeps its own prompt cache (app/upstream/affinity.py).
+        self.upstream_prompt_tokens = Counter(
+            "ecoscan_upstream_prompt_tokens_total",
+            "Prompt tokens by deployment and stage, from usage: prompt (all) and cached (served "
+            "from that deployment's prompt cache).",
+            ["upstream", "stage", "kind"],
+            registry=r,
+        )
         self.upstream_retries = Counter(
             "ecoscan_upstream_retries_total",
             "Retried OpenAI calls by reason.",
@@ -204,6 +212,20 @@ class Metrics:
             "ecoscan_upstream_rate_limited_total",
             "429 answers from OpenAI by type.",
             ["model", "type"],
+            registry=r,
+        )
+        # What the provider's limiter charges against our estimate (app/limits/charge_learning.py).
+        self.upstream_charge = Histogram(
+            "ecoscan_upstream_charge_tokens",
+            "Tokens one call reserved as its provider's limiter counts them: estimate x learned ratio.",
+            ["model", "kind"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.upstream_charge_ratio = Gauge(
+            "ecoscan_upstream_charge_ratio",
+            "Learned ratio of what the limiter charges to what we estimate, per budget and call kind.",
+            ["budget", "kind"],
             registry=r,
         )
         self.ratelimit_remaining = Gauge(
@@ -236,6 +258,35 @@ class Metrics:
             "ecoscan_upstream_negotiated_total",
             "Optional parameters a deployment refused and is sent without from then on.",
             ["upstream", "parameter"],
+            registry=r,
+        )
+        self.upstream_negotiation_waits = Counter(
+            "ecoscan_upstream_negotiation_waits_total",
+            "Calls that waited for another call to find out whether their deployment takes "
+            "their parameters (app/upstream/negotiation.py): answered, or timed_out (went as they were).",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.upstream_probes = Counter(
+            "ecoscan_upstream_probes_total",
+            "The service's own probes of deployments whose breaker is open (app/upstream/probes.py): "
+            "ok (closed it), failed, skipped (no budget in time), error.",
+            ["upstream", "outcome"],
+            registry=r,
+        )
+        self.upstream_ride_outs = Counter(
+            "ecoscan_upstream_ride_outs_total",
+            "Calls that waited for a deployment's return, every deployment of their stage being "
+            "down: returned, or expired (the deadline came first).",
+            ["stage", "outcome"],
+            registry=r,
+        )
+        self.upstream_hedges = Counter(
+            "ecoscan_upstream_hedges_total",
+            "Calls whose reply was late past their deployment's first-byte p99 x HEDGE_FACTOR "
+            "(app/upstream/hedging.py): sent (a hedge went), no_route, no_budget; then won (the "
+            "hedge answered first) or lost.",
+            ["stage", "outcome"],
             registry=r,
         )
         # Each route's own concurrency limit (app/limits/route_limits.py), by deployment and stage.
@@ -343,7 +394,8 @@ class Metrics:
         )
         self.budget_redis_calls = Counter(
             "ecoscan_budget_redis_calls_total",
-            "Lease calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, error.",
+            "Budget calls to Redis: grant (a waiting call needed more), return, heartbeat, probe, "
+            "sent (a call counted), error.",
             ["model", "op"],
             registry=r,
         )

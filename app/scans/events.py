@@ -9,6 +9,7 @@ wire format (SSE).
     StageStarted     {"status": "started"}
     StageCompleted   {"status": "completed", "duration_ms", ...the stage's fields}
     AnswerDelta      {"text"}
+    ItemEvent        `items` {"count", "main", "dropped"}; `item`, `item_rule` {"index", ...}
     ScanDone         terminal success: the result fields and `timings`
     ScanErrored      terminal failure: {"code", "message", "retryable"}
 """
@@ -58,6 +59,54 @@ class AnswerDelta(ScanEvent):
 
     def fields(self) -> dict[str, Any]:
         return {"text": self.text}
+
+
+@dataclass(frozen=True, slots=True)
+class ItemsFound(ScanEvent):
+    """How many items the photo holds (vision, always), which is the main one, how many the
+    reply named that were left out."""
+
+    kind = "items"
+    data: dict[str, Any]
+
+    def fields(self) -> dict[str, Any]:
+        return self.data
+
+
+@dataclass(frozen=True, slots=True)
+class ItemClassified(ScanEvent):
+    """One item of a photo of several, classified (vision)."""
+
+    kind = "item"
+    data: dict[str, Any]
+
+    def fields(self) -> dict[str, Any]:
+        return self.data
+
+
+@dataclass(frozen=True, slots=True)
+class ItemRuled(ScanEvent):
+    """One item of a photo of several, its rules found (rule)."""
+
+    kind = "item_rule"
+    data: dict[str, Any]
+
+    def fields(self) -> dict[str, Any]:
+        return self.data
+
+
+ITEM_EVENTS: dict[str, type[ItemsFound | ItemClassified | ItemRuled]] = {
+    cls.kind: cls for cls in (ItemsFound, ItemClassified, ItemRuled)
+}
+
+
+def item_event_key(kind: str, fields: dict[str, Any]) -> tuple[str, int] | None:
+    """What makes an item event the same one sent again (a stage run over after a
+    takeover): its kind and item; None for any other event."""
+    if kind not in ITEM_EVENTS:
+        return None
+    index = fields.get("index", -1)
+    return kind, index if isinstance(index, int) else -1
 
 
 @dataclass(frozen=True, slots=True)

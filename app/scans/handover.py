@@ -12,7 +12,9 @@ Recovering: each stage whose `completed` event is in the log is done — its res
 rebuilt from the event's fields (`StageResult.event_fields` is what the event carries),
 its timing from its `duration_ms` — and is not run again: a completed vision call is
 never paid for twice. The stage the owner was in starts over; if it had streamed text,
-that text is void (`discard`, as after a failed stream elsewhere).
+that text is void (`discard`, as after a failed stream elsewhere). Item events it had sent
+(`items`, `item`, `item_rule`) are remembered, so the stage run over does not send them
+again: a reader sees each once.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from app.images.prepare import PreparedImage
 from app.limits.admission import Ticket
-from app.scans.events import EventLog, LogEntry
+from app.scans.events import EventLog, LogEntry, item_event_key
 from app.stages.base import Stage, StageResult
 from app.stages.context import AcceptedScan, ImageSource, ScanInput
 
@@ -107,6 +109,7 @@ class Recovered:
     results: dict[type, object]  # the completed stages' results, by type
     completed: set[str]
     text_void: bool  # the stage it was in had streamed text, now void
+    item_events: set[tuple[str, int]] = field(default_factory=set)  # item events already sent
 
     def runs(self, stage: Stage[StageResult]) -> bool:
         return stage.name not in self.completed
@@ -123,7 +126,9 @@ def recover(log: EventLog, stages: Sequence[Stage[StageResult]]) -> Recovered:
 def _replay(entry: LogEntry, stages: dict[str, Stage[StageResult]], into: Recovered) -> None:
     event = entry.event
     fields = event.fields()
-    if event.kind == "delta":
+    if (key := item_event_key(event.kind, fields)) is not None:
+        into.item_events.add(key)
+    elif event.kind == "delta":
         into.text_void = True
     elif event.kind == "discard":
         into.text_void = False

@@ -33,7 +33,16 @@ from app.errors import (
 )
 from app.limits.clock import Clock
 from app.runtime.metrics import Metrics
-from app.scans.events import AnswerDelta, EventLog, LogEntry, ScanDone, ScanErrored, TextDiscarded
+from app.scans.events import (
+    ITEM_EVENTS,
+    AnswerDelta,
+    EventLog,
+    LogEntry,
+    ScanDone,
+    ScanErrored,
+    TextDiscarded,
+    item_event_key,
+)
 from app.scans.finished import FinishedScans
 from app.scans.handover import Handover, Recovered, recover
 from app.scans.mirror import ScanStreams
@@ -215,7 +224,19 @@ class ScanPipeline:
             # The stage's text so far is void: its call starts again (elsewhere).
             events.append(TextDiscarded(progress.step))
 
-        ctx = ScanContext(scan, safety_identifier(scan.user_id), delta, discard)
+        # Item events already in the log (a taken-over scan whose owner sent them before
+        # it died): the stage run over does not send them twice.
+        sent = set() if recovered is None else set(recovered.item_events)
+
+        async def item(kind: str, fields: dict[str, Any]) -> None:
+            key = item_event_key(kind, fields)
+            if key is None or key in sent:
+                return
+            sent.add(key)
+            ceiling = self._runner.spans[progress.step].completed - 1
+            events.append(ITEM_EVENTS[kind](progress.step, fields), min(ceiling, events.progress + 1))
+
+        ctx = ScanContext(scan, safety_identifier(scan.user_id), delta, discard, item)
         if recovered is not None:  # taken over: what the dead owner completed stands
             ctx.results.update(recovered.results)
             scan.ticket.calls_started(

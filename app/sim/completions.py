@@ -75,6 +75,10 @@ class ChatCompletions:
         if rejection is not None:
             await self._fail(send, rejection, headers)
             return
+        if state.inject_hold():
+            stats.holds_injected += 1
+            if not await _held(state, receive, config.hold_s):
+                return  # the client gave up on it (counted by the limiter all the same)
         await self._complete(flavor, request, content, headers, receive, send)
 
     def _rejection(
@@ -97,7 +101,7 @@ class ChatCompletions:
             stats.rate_limited_total += 1
             headers += limiter.headers(key)
             return flavor.forced_rate_limit(request, route, config, config.reject_retry_after_ms / 1000)
-        cost = flavor.charge(request)
+        cost = flavor.charge(request, config)
         denial, limit_headers = limiter.acquire(key, cost)
         headers += limit_headers
         if denial is not None:
@@ -177,6 +181,21 @@ class ChatCompletions:
     async def _fail(self, send: Send, failure: Failure, headers: list[Header]) -> None:
         self.state.stats.count_status(failure.status)
         await _send(send, failure.status, failure.body, [*headers, *failure.headers])
+
+
+async def _held(state: SimState, receive: Receive, seconds: float) -> bool:
+    """Hold a reply before its first byte (``hold_rate``) for ``seconds`` of real time: True
+    to answer it then (or at shutdown), False when the client left meanwhile."""
+    gone = asyncio.ensure_future(receive())  # the body was read: this is the disconnect
+    closing = asyncio.ensure_future(state.closing.wait())
+    try:
+        done, _ = await asyncio.wait({gone, closing}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        closing.cancel()
+    if gone in done:
+        return False
+    gone.cancel()
+    return True
 
 
 def _content(request: ChatRequest, state: SimState) -> str:

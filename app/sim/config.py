@@ -48,6 +48,12 @@ class SimConfig:
     # full limit, but the remaining budget shrinks (what "a shared key" looks like).
     shared_rpm: int = 0
     shared_tpm: int = 0
+    # How the TPM limiter counts a request, against the formula the flavour documents (its
+    # own estimator is not our tokenizer: Flavor.charge): every Hangul syllable of the
+    # prompt counts `charge_hangul` tokens instead of one, and the total is multiplied by
+    # `charge_factor` (0.6: the limiter charges 40 % less than the documented formula).
+    charge_factor: float = 1.0
+    charge_hangul: float = 1.0
     text_tokens: int = 60
     error_rate: float = 0.0
     error_status: int = 500
@@ -80,6 +86,10 @@ class SimConfig:
     # 503), hang (calls are read and never answered until switched back) or refuse (the
     # API port stops listening and open connections are reset; the control port stays).
     outage: str = "none"
+    # A provider whose replies are late: this fraction of chat calls (1.0: every one) is held
+    # ``hold_s`` seconds (real time) before its first byte, after the limiter counted it.
+    hold_rate: float = 0.0
+    hold_s: float = 60.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -101,6 +111,9 @@ class SimConfig:
         _at_least("shared_rpm", self.shared_rpm, 0)
         _at_least("shared_tpm", self.shared_tpm, 0)
         _at_least("text_tokens", self.text_tokens, 1)
+        if self.charge_factor <= 0:
+            raise ValueError(f"charge_factor must be > 0, got {self.charge_factor}")
+        _at_least("charge_hangul", self.charge_hangul, 0.0)
         _fraction("error_rate", self.error_rate)
         if not 500 <= self.error_status <= 599:
             raise ValueError(f"error_status must be a 5xx status, got {self.error_status}")
@@ -115,6 +128,8 @@ class SimConfig:
             _kinds(f"{fault}_kinds", getattr(self, f"{fault}_kinds"))
         _at_least("reasoning_scale", self.reasoning_scale, 0.0)
         _at_least("capture_requests", self.capture_requests, 0)
+        _fraction("hold_rate", self.hold_rate)
+        _at_least("hold_s", self.hold_s, 0.0)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SimConfig:

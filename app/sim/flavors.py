@@ -182,8 +182,9 @@ class Flavor:
     def invalid(self, exc: InvalidRequest, config: SimConfig) -> Failure:
         return Failure(exc.status, exc.body())
 
-    def charge(self, request: ChatRequest) -> int:
-        """What the TPM limiter counts for ``request`` at arrival: prompt estimate + cap.
+    def charge(self, request: ChatRequest, config: SimConfig) -> int:
+        """What the TPM limiter counts for ``request`` at arrival: prompt estimate + cap,
+        counted the way ``config`` says this limiter counts (``counted``).
 
         Two readings exist. OpenAI's rate-limit guide says the limit "is calculated as the
         maximum of max_tokens and the estimated number of tokens based on the character
@@ -193,7 +194,7 @@ class Flavor:
         budget that never sees a 429 here never sees one under either. Nothing is given
         back when the reply is shorter than the cap.
         """
-        return request.prompt_tokens + (request.cap or DEFAULT_MAX_TOKENS)
+        return counted(request.prompt_tokens + (request.cap or DEFAULT_MAX_TOKENS), request, config)
 
     def limiter_key(self, request: ChatRequest) -> str:
         return request.model
@@ -445,9 +446,9 @@ class GeminiFlavor(Flavor):
         error = GoogleError(exc.status if exc.status in (400, 401, 404) else 400, exc.message)
         return self._error(error, config)
 
-    def charge(self, request: ChatRequest) -> int:
+    def charge(self, request: ChatRequest, config: SimConfig) -> int:
         """Input tokens only: Gemini's TPM quota is an input-token count."""
-        return request.prompt_tokens
+        return counted(request.prompt_tokens, request, config)
 
     def common_headers(self) -> list[Header]:
         return []
@@ -575,6 +576,15 @@ class GeminiFlavor(Flavor):
 
     def completion_id(self) -> str:
         return secrets.token_urlsafe(18)
+
+
+def counted(tokens: int, request: ChatRequest, config: SimConfig) -> int:
+    """``tokens`` of the documented formula as this limiter counts them. No provider
+    publishes its limiter's estimator (OpenAI's guesses from the characters without
+    tokenizing, Azure's counts "prompt text and count" with max_tokens): ``charge_hangul``
+    and ``charge_factor`` make it differ from ours the way a test needs."""
+    hangul_extra = (config.charge_hangul - 1.0) * request.hangul
+    return max(1, round((tokens + hangul_extra) * config.charge_factor))
 
 
 def retry_delay(seconds: float) -> str:

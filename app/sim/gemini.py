@@ -231,6 +231,8 @@ def parse_gemini_request(body: dict[str, Any], schema_subset: bool) -> ChatReque
         text=prompt.text,
         schema_key=prompt.schema_key,
         prefixes=(),  # no implicit-cache hits reported through the compat endpoint (assumed)
+        image_key=prompt.image_key,
+        hangul=prompt.hangul,
     )
 
 

@@ -36,7 +36,7 @@ def generate_content(request: ChatRequest, text_tokens: int, seed: int) -> str:
     rng = content_rng(request.digest, seed)
     if request.format_type == "json_schema" and request.schema:
         # ecoscan's own calls get replies that make sense; any other schema a valid value.
-        document = vision_document(request.schema, request.schema_key, request.text, rng)
+        document = vision_document(request.schema, request.schema_key, request.text, rng, request.image_key)
         if document is None:
             document = answer_document(request.schema, request.text, text_tokens)
         if document is None:

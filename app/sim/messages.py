@@ -12,7 +12,7 @@ from app.sim.errors import InvalidRequest
 from app.sim.images import image_tokens
 from app.sim.models import ModelFamily
 from app.sim.prompt_cache import MIN_TOKENS, Part, prefix_digests, text_part
-from app.sim.tokens import MESSAGE_OVERHEAD, REPLY_PRIMING
+from app.sim.tokens import MESSAGE_OVERHEAD, REPLY_PRIMING, count_hangul
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _DETAILS = {"low", "high", "auto"}
@@ -32,6 +32,8 @@ class Prompt:
     text: str = ""
     schema_key: bytes = b""
     prefixes: tuple[bytes, ...] = ()  # see app/sim/prompt_cache.py; empty under MIN_TOKENS
+    image_key: bytes = b""  # a digest of the images alone: what a photo shows, whatever is asked
+    hangul: int = 0  # Hangul syllables in its text (the limiter may count them its own way)
 
 
 def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: bool = True) -> Prompt:
@@ -47,8 +49,10 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "expected a non-empty array")
     hasher = hashlib.sha256()
+    image_hasher = hashlib.sha256()
     tokens = REPLY_PRIMING
     has_image = mentions_json = False
+    hangul = 0
     user_text = ""
     parts: list[Part] = []  # in reading order, for the prompt cache
     for i, message in enumerate(messages):
@@ -63,6 +67,7 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
                 parts.append(text_part(text))
                 tokens += parts[-1].tokens
                 mentions_json = mentions_json or "json" in text.lower()
+                hangul += count_hangul(text)
                 texts.append(text)
                 continue
             if family.images is None:
@@ -72,6 +77,7 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
                 )
             has_image = True
             hasher.update(b"\x00image\x00" + text.encode())
+            image_hasher.update(text.encode())
             parts.append(Part(image_tokens(text, detail, family.images), label=f"{detail} {text}"))
             tokens += parts[-1].tokens
         if role == "user":
@@ -87,9 +93,22 @@ def read_prompt(body: dict[str, Any], family: ModelFamily, json_word_required: b
         # OpenAI injects the schema into the prompt, so it is billed; it comes first.
         parts.insert(0, text_part(schema_text))
         tokens += parts[0].tokens
+        hangul += count_hangul(schema_text)
     parts.append(Part(REPLY_PRIMING, label="assistant priming"))
     prefixes = prefix_digests(parts) if tokens >= MIN_TOKENS else ()
-    return Prompt(tokens, has_image, format_type, schema, hasher.digest(), user_text, schema_key, prefixes)
+    image_key = image_hasher.digest() if has_image else b""
+    return Prompt(
+        tokens,
+        has_image,
+        format_type,
+        schema,
+        hasher.digest(),
+        user_text,
+        schema_key,
+        prefixes,
+        hangul=hangul,
+        image_key=image_key,
+    )
 
 
 def _role(message: Any, where: str) -> str:

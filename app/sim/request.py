@@ -54,6 +54,8 @@ class ChatRequest:
     prefixes: tuple[bytes, ...] = ()  # the prompt cache's prefix digests (app/sim/prompt_cache.py)
     prompt_cache_key: str = ""
     deployment: str = ""  # Azure: the deployment the call named (its limits are its own)
+    image_key: bytes = b""  # a digest of the images alone (what several items are drawn from)
+    hangul: int = 0  # Hangul syllables in the prompt (see Flavor.charge)
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -107,4 +109,6 @@ def parse_request(body: dict[str, Any], deployment: tuple[str, str] | None = Non
         prefixes=prompt.prefixes,
         prompt_cache_key=body.get("prompt_cache_key") or "",
         deployment=deployment[0] if deployment is not None else "",
+        image_key=prompt.image_key,
+        hangul=prompt.hangul,
     )

@@ -122,6 +122,10 @@ class SimState:
         config = self._config
         return config.error_rate > 0 and kind in config.error_kinds and self.rng.random() < config.error_rate
 
+    def inject_hold(self) -> bool:
+        rate = self._config.hold_rate
+        return rate > 0 and self.rng.random() < rate
+
     def inject_stall(self) -> bool:
         rate = self._config.stall_rate
         return rate > 0 and self.rng.random() < rate

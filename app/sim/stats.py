@@ -29,6 +29,7 @@ class SimStats:
         self.streams_completed = 0
         self.streams_cancelled = 0
         self.stalls_injected = 0
+        self.holds_injected = 0  # replies held before their first byte (hold_rate)
         self.refusals_injected = 0
         self.content_filters_injected = 0
         self.truncations_injected = 0
@@ -65,6 +66,7 @@ class SimStats:
             "streams_cancelled": self.streams_cancelled,
             "inflight": self.inflight,
             "stalls_injected": self.stalls_injected,
+            "holds_injected": self.holds_injected,
             "refusals_injected": self.refusals_injected,
             "content_filters_injected": self.content_filters_injected,
             "truncations_injected": self.truncations_injected,

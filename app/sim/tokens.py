@@ -29,6 +29,14 @@ def count_tokens(text: str) -> int:
     return len(_TOKEN_RE.findall(text))
 
 
+_HANGUL_RE = re.compile(r"[\uac00-\ud7a3]")
+
+
+def count_hangul(text: str) -> int:
+    """Hangul syllables in ``text``: what a limiter may count apart from other characters."""
+    return len(_HANGUL_RE.findall(text))
+
+
 def prompt_text_tokens(text: str) -> int:
     """Approximate prompt tokens: ~4 ASCII chars per token, one per non-ASCII char."""
     ascii_chars = len(text.encode("ascii", "ignore"))

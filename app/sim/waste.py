@@ -8,10 +8,19 @@ Recognised by the shape of the json_schema (anything else gets the generic schem
   disposal (a label, contents left, ...) come only sometimes, so most recyclables are clean.
   The known items are the model's "world knowledge": the taxonomy seed shipped with the
   service (``app/data/migrations/002_taxonomy.sql``), read once.
+* vision, several items — properties ``items`` (an array of the object above, with a
+  ``box``) and ``main_item``: most photos show one item, some (``SEVERAL_SHARE``, drawn
+  from the image alone, so a photo always shows the same) two to four: a scene of parts
+  that go to different bins (a PET bottle, its label and its cap) or unrelated things. A
+  note that names known items makes those the photo's items, every one named (a model
+  does not count what it is told is there). Boxes are shares of the image; a part at the
+  frame's edge gets a box past it, as models give them.
 * answer — properties exactly ``user_answer``, ``steps`` and ``insufficiencies``. The prompt's
   user message is the JSON facts the answer stage sends (classification, tags, the rule's
   summary/preparation/disposal, the question); the reply echoes the question, lists the
-  rule's steps and names only the tags that still need doing, within ``text_tokens``.
+  rule's steps and names only the tags that still need doing, within ``text_tokens``. For
+  a photo of several items (the facts list ``품목들``) it says what to separate first,
+  then item by item where each goes.
 
 What is derived from a schema is cached by the schema's digest, and the parsed facts by the
 prompt text, so a request costs a few dictionary lookups and a handful of string joins.
@@ -20,6 +29,7 @@ prompt text, so a request costs a few dictionary lookups and a handful of string
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import random
 import re
@@ -176,6 +186,19 @@ class _VisionWorld:
         category = self.categories[min(index, len(self.categories) - 1)]
         return category, rng.choice(category.items)
 
+    def all_named_in(self, memo: str) -> list[tuple[_Category, str]]:
+        """Every known item the note names, in the note's order (longest names first where
+        they overlap: "플라스틱 뚜껑" is not also a "뚜껑")."""
+        found: list[tuple[int, int, tuple[_Category, str]]] = []
+        for item, index in self.by_item:
+            start = memo.find(item)
+            while start >= 0:
+                end = start + len(item)
+                if not any(s < end and start < e for s, e, _ in found):
+                    found.append((start, end, (self.categories[index], item)))
+                start = memo.find(item, end)
+        return [named for _, _, named in sorted(found, key=lambda f: f[0])][:MAX_NAMED]
+
     def named_in(self, memo: str) -> tuple[_Category, str] | None:
         for item, index in self.by_item:
             if item in memo:
@@ -232,18 +255,25 @@ def _build_world(schema: dict[str, Any]) -> _VisionWorld | None:
         # Most photos people take are of recyclables; few are unidentifiable.
         total += 2.0 if recyclable else (0.3 if "판별 불가" in items else 1.0)
         cumulative.append(total)
-    by_item = sorted(
-        ((item, i) for i, c in enumerate(categories) for item in c.items), key=lambda p: -len(p[0])
-    )
+    # The items a note may name: the known ones, and the scenes' parts (a label is no
+    # taxonomy item, but a model knows one when it is told of it).
+    at = {c.path: i for i, c in enumerate(categories)}
+    named = {(item, i) for i, c in enumerate(categories) for item in c.items}
+    named |= {(item, at[path]) for scene in SCENES for path, item in scene if path in at}
+    by_item = sorted(named, key=lambda p: (-len(p[0]), p))
     return _VisionWorld(
         tuple(categories), tuple(cumulative), frozenset(t for t in tags if isinstance(t, str)), tuple(by_item)
     )
 
 
 def vision_document(
-    schema: dict[str, Any], key: bytes, text: str, rng: random.Random
+    schema: dict[str, Any], key: bytes, text: str, rng: random.Random, image_key: bytes = b""
 ) -> dict[str, Any] | None:
     """The classification reply for our vision schema, or None for any other schema."""
+    inner = _items_schema(schema)
+    if inner is not None:
+        world = _vision_world(inner, key)
+        return None if world is None else items_document(world, text, rng, image_key)
     world = _vision_world(schema, key)
     if world is None:
         return None
@@ -255,6 +285,96 @@ def vision_document(
     tags = world.fitting_tags(category, item, rng)
     values = {"category": category.path, "item": item, "situation_tags": tags}
     return {name: values[name] for name in schema["properties"]}
+
+
+# --- vision, several items -------------------------------------------------------------------
+
+SEVERAL_SHARE = 0.25  # of photos: two to four items
+MAX_NAMED = 8  # items a note may name
+# Photos of one thing in parts that go to different bins: (category path, item), main first.
+SCENES: tuple[tuple[tuple[str, str], ...], ...] = (
+    (
+        ("재활용폐기물 > 무색페트병", "생수병"),
+        ("재활용폐기물 > 비닐류", "라벨"),
+        ("재활용폐기물 > 플라스틱류", "플라스틱 뚜껑"),
+    ),
+    (
+        ("재활용폐기물 > 플라스틱류", "배달 용기"),
+        ("재활용폐기물 > 플라스틱류", "플라스틱 뚜껑"),
+        ("일반종량제폐기물", "나무젓가락"),
+        ("음식물류폐기물", "남은 반찬"),
+    ),
+    (("재활용폐기물 > 유리병", "맥주병"), ("재활용폐기물 > 금속류", "병뚜껑")),
+    (
+        ("재활용폐기물 > 종이", "골판지 상자"),
+        ("재활용폐기물 > 비닐류", "에어캡"),
+        ("재활용폐기물 > 발포합성수지", "스티로폼 완충재"),
+    ),
+)
+
+
+def _items_schema(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """The item object of our several-items schema (as any flavour sends it), or None."""
+    props = schema.get("properties")
+    if not isinstance(props, dict) or set(props) != {"items", "main_item"}:
+        return None
+    items = props["items"].get("items") if isinstance(props["items"], dict) else None
+    inner = items.get("properties") if isinstance(items, dict) else None
+    if not isinstance(inner, dict) or set(inner) != {"category", "item", "situation_tags", "box"}:
+        return None
+    return {"properties": {k: v for k, v in inner.items() if k != "box"}}
+
+
+def items_document(world: _VisionWorld, text: str, rng: random.Random, image_key: bytes) -> dict[str, Any]:
+    """The photo's items (see the module docstring), each with tags and a box."""
+    photo = random.Random(int.from_bytes(hashlib.sha256(b"items\x00" + image_key).digest()[:8], "big"))
+    memo_at = text.find(_MEMO)
+    named = world.all_named_in(text[memo_at + len(_MEMO) :]) if memo_at >= 0 else []
+    several = image_key and photo.random() < SEVERAL_SHARE  # drawn first: the photo's own
+    if named:
+        picked = named
+    elif several:
+        picked = _several(world, photo)
+    else:
+        picked = [world.pick(rng)]
+    boxes = _boxes(len(picked), photo)
+    items = [
+        {
+            "category": category.path,
+            "item": item,
+            "situation_tags": world.fitting_tags(category, item, rng),
+            "box": box,
+        }
+        for (category, item), box in zip(picked, boxes, strict=True)
+    ]
+    return {"items": items, "main_item": 0}
+
+
+def _several(world: _VisionWorld, photo: random.Random) -> list[tuple[_Category, str]]:
+    """Two to four items: a scene of parts (half the time, where the schema offers its
+    categories), else unrelated things."""
+    by_path = {c.path: c for c in world.categories}
+    if photo.random() < 0.5:
+        scene = SCENES[photo.randrange(len(SCENES))]
+        parts = [(by_path[path], item) for path, item in scene if path in by_path]
+        if len(parts) > 1:
+            return parts
+    return [world.pick(photo) for _ in range(photo.randint(2, 4))]
+
+
+def _boxes(count: int, photo: random.Random) -> list[dict[str, float]]:
+    """The main item large near the middle, the others smaller around it; with three or
+    more, the last at the right edge, its box past it (cut off by the frame)."""
+    boxes = []
+    for i in range(count):
+        if i == 0:
+            x, y, w, h = photo.uniform(0.15, 0.3), photo.uniform(0.1, 0.25), 0.4, photo.uniform(0.45, 0.6)
+        elif i == count - 1 and count >= 3:
+            x, y, w, h = photo.uniform(0.8, 0.9), photo.uniform(0.3, 0.6), 0.2, 0.2
+        else:
+            x, y, w, h = photo.uniform(0.0, 0.6), photo.uniform(0.6, 0.75), 0.2, photo.uniform(0.15, 0.25)
+        boxes.append({"x": round(x, 3), "y": round(y, 3), "width": round(w, 3), "height": round(h, 3)})
+    return boxes
 
 
 # --- answer -------------------------------------------------------------------------------
@@ -310,6 +430,9 @@ def answer_document(schema: dict[str, Any], text: str, text_tokens: int) -> dict
     props = schema.get("properties")
     if not isinstance(props, dict) or set(props) != {"user_answer", "steps", "insufficiencies"}:
         return None
+    several = _several_facts(text)
+    if several is not None:
+        return _several_answer(several, props, text_tokens)
     facts = _facts(text)
     if facts is None:
         return None
@@ -336,6 +459,76 @@ def answer_document(schema: dict[str, Any], text: str, text_tokens: int) -> dict
     user_answer, kept = _fit_budget(sentences, steps, todo, text_tokens, facts.question is not None)
     values = {"user_answer": user_answer, "steps": kept, "insufficiencies": todo}
     return {name: values[name] for name in props}
+
+
+@lru_cache(maxsize=1024)
+def _several_facts(text: str) -> tuple[list[_Facts], str | None] | None:
+    """The items of a several-items facts prompt (each with its rule), and the question."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("품목들"), list):
+        return None
+    found_rules = doc.get("배출 규칙")
+    rules: dict[str, Any] = found_rules if isinstance(found_rules, dict) else {}
+    question = doc.get("사용자 질문")
+    if not isinstance(question, str) or not question.strip() or question.strip() == _NO_QUESTION:
+        question = None
+    items: list[_Facts] = []
+    for raw in doc["품목들"]:
+        if not isinstance(raw, dict):
+            continue
+        found_c = raw.get("분류")
+        c: dict[str, Any] = found_c if isinstance(found_c, dict) else {}
+        major, middle = _str(c.get("대분류")), _str(c.get("중분류")) or None
+        rule = rules.get(_str(raw.get("규칙")))
+        tags = raw.get("상황 태그")
+        items.append(
+            _Facts(
+                major,
+                middle,
+                _str(c.get("품목")) or middle or major or "이 품목",
+                tuple(t for t in tags if isinstance(t, str)) if isinstance(tags, list) else (),
+                rule if isinstance(rule, dict) else None,
+                rule if isinstance(rule, str) else None,
+                None,
+            )
+        )
+    if not items:
+        return None
+    return items, (" ".join(question.split())[:60] if question else None)
+
+
+def _several_answer(
+    several: tuple[list[_Facts], str | None], props: dict[str, Any], text_tokens: int
+) -> dict[str, Any]:
+    """What to separate first, then item by item where it goes; only the to-dos left."""
+    items, question = several
+    parts = [f.item for f in items[1:]]
+    separate = f"먼저 {_object(', '.join(parts))} {items[0].item}에서 떼어 분리하세요."
+    steps = [separate]
+    todo: list[str] = []
+    for f in items:
+        category = f.middle or f.major or "해당 분류"
+        first = _rule_steps(f)[-1]
+        steps.append(f"{f.item}: {_direction(category)} 배출 — {first}")
+        todo.extend(
+            f"{f.item}: {ACTIONS[t]}."
+            for t in f.tags
+            if t in ACTIONS and (f.middle or f.major) not in _FINE_FOR.get(t, ())
+        )
+    opening = f"사진에 품목 {len(items)}개가 있습니다. {separate}"
+    if question is not None:
+        opening = f'질문하신 "{question}"에 답하면, {opening}'
+    sentences = [opening, "각 품목은 아래 순서대로 배출하세요."]
+    user_answer, kept = _fit_budget(sentences, steps, todo, text_tokens, True)
+    values = {"user_answer": user_answer, "steps": kept, "insufficiencies": todo}
+    return {name: values[name] for name in props}
+
+
+def _object(word: str) -> str:
+    return word + ("을" if _batchim(word) > 0 else "를")
 
 
 def _rule_steps(facts: _Facts) -> list[str]:

@@ -9,6 +9,11 @@ rendering of a shorter one, so each `delta` is just the new tail. The final JSON
 the structured answer. This needs nothing from the model beyond the schema, and
 works the same against OpenAI and any compatible server.
 
+A photo of several items (app/stages/items.py) is still one call: its prompt holds every
+item and each distinct rule document once, and asks for what to separate first, then item
+by item; the schema is the same, so the rendering and the parse are too. A photo of one
+item sends exactly the single-item prompt.
+
 Deltas are coalesced (`delta_flush_ms`): one SSE event per token would cost more
 event-loop time than the answer is worth to a reader.
 
@@ -76,6 +81,16 @@ SYSTEM_PROMPT = (
     "근거로 짧고 정확하게 답하세요. user_answer: 사용자의 질문에 대한 답(질문이 없으면 핵심 "
     "요약), steps: 지금 따라 할 배출 단계, insufficiencies: 상황 태그로 보아 배출 전에 "
     "사용자가 아직 해야 하는 일만(이미 준비됐으면 빈 배열)."
+)
+
+# A photo of several items (app/stages/items.py): still one call, whose prompt holds every
+# item and each distinct rule document once; the same schema, its steps item by item.
+ITEMS_SYSTEM_PROMPT = (
+    "당신은 한국 생활폐기물 분리배출 안내 도우미입니다. 사진에는 여러 품목이 있습니다. 주어진 "
+    "품목별 분류, 상황 태그, 배출 규칙만 근거로 짧고 정확하게 답하세요. user_answer: 사용자의 "
+    "질문에 대한 답(질문이 없으면 무엇을 먼저 분리해 어디에 버리는지 요약), steps: 먼저 떼어 "
+    "분리할 것부터 품목 순서대로, 각 단계는 '품목 이름: 할 일' 형식, insufficiencies: 상황 "
+    "태그로 보아 배출 전에 사용자가 아직 해야 하는 일만(이미 준비됐으면 빈 배열)."
 )
 
 EmitDelta = Callable[[str], Awaitable[None]]
@@ -199,16 +214,22 @@ class AnswerStage:
     def build_request(
         self, vision: VisionResult, rule: RuleResult, user_input: str | None, safety_id: str | None = None
     ) -> ChatRequest:
-        c = vision.classification
-        # The rule first: every scan of its category sends it (see the module docstring).
-        facts: dict[str, Any] = {
-            "배출 규칙": _condensed(rule.disposal_rules) if rule.disposal_rules else rule.reason,
-            "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor or vision.item_name},
-            "상황 태그": sorted(vision.situation_tags),
-            "사용자 질문": user_input or "(없음)",
-        }
+        if len(vision.items) > 1:
+            system, facts = ITEMS_SYSTEM_PROMPT, _items_facts(vision, rule, user_input)
+        else:
+            c = vision.classification
+            # The rule first: every scan of its category sends it (see the module docstring).
+            system, facts = (
+                SYSTEM_PROMPT,
+                {
+                    "배출 규칙": _condensed(rule.disposal_rules) if rule.disposal_rules else rule.reason,
+                    "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor or vision.item_name},
+                    "상황 태그": sorted(vision.situation_tags),
+                    "사용자 질문": user_input or "(없음)",
+                },
+            )
         messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "system", "content": system},
             {
                 "role": "user",
                 "content": orjson.dumps(facts).decode(),  # compact, non-ASCII as it is
@@ -277,6 +298,30 @@ def parse_answer(text: str) -> Answer:
 
 def _strings(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _items_facts(vision: VisionResult, rule: RuleResult, user_input: str | None) -> dict[str, Any]:
+    """The facts of a photo of several items: each distinct rule once (keyed by its
+    category), then the items in order, each naming its rule's key."""
+    by_index = {r.index: r for r in rule.item_rules}
+    rules: dict[str, Any] = {}
+    items: list[dict[str, Any]] = []
+    for item in vision.items:
+        c = item.classification
+        key = f"{c.major} > {c.middle}" if c.middle else c.major
+        found = by_index.get(item.index)
+        if found is not None and key not in rules:
+            rules[key] = _condensed(found.disposal_rules) if found.disposal_rules else found.reason
+        entry = {
+            "번호": item.index + 1,
+            "분류": {"대분류": c.major, "중분류": c.middle, "품목": c.minor or item.item_name},
+            "상황 태그": sorted(item.situation_tags),
+            "규칙": key,
+        }
+        if item.main:
+            entry["주 품목"] = True
+        items.append(entry)
+    return {"배출 규칙": rules, "품목들": items, "사용자 질문": user_input or "(없음)"}
 
 
 def _condensed(rules: DisposalRules) -> dict[str, Any]:

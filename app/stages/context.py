@@ -7,12 +7,17 @@ import dataclasses
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from app.images.prepare import PreparedImage
 from app.limits.admission import Ticket
 
 T = TypeVar("T")
+
+
+async def _no_item_events(kind: str, fields: dict[str, Any]) -> None:
+    """For a context built without a log (a stage run on its own): item events go nowhere."""
+
 
 ImageSource = Literal["upload", "data_url", "url"]
 
@@ -47,6 +52,8 @@ class ScanContext:
     safety_id: str | None  # what OpenAI's safety_identifier gets (a hash, never the id)
     emit_delta: Callable[[str], Awaitable[None]]  # text a stage streams (`delta` events)
     discard_text: Callable[[], Awaitable[None]]  # ...void from here on (a `discard` event)
+    # An item event (`items`, `item`, `item_rule`: app/stages/items.py) with its fields.
+    emit_item: Callable[[str, dict[str, Any]], Awaitable[None]] = _no_item_events
     deadline: float = 0.0  # the current stage's, on the pipeline's clock (it may move later)
     results: dict[type, object] = field(default_factory=dict)  # result type -> the result
 

@@ -5,6 +5,11 @@ otherwise); then the rule of the category that owns the minor item's name (the
 model may name a known item under a category with no rule of its own); then the
 major's general rule. No match is an answer too: `document` is None with a reason.
 
+Several items in one photo (app/stages/items.py): one lookup per distinct classification
+(the minor item may choose the rule), the main item's first, each item's rule streamed
+(an `item_rule` event) as soon as it is found when the photo holds several; the stage's
+own fields stay the main item's.
+
 Rules change rarely, so `RuleBook` caches lookups (misses included) in memory.
 Invalidation: a trigger on `disposal_rules` sends NOTIFY on every change and a
 dedicated LISTEN connection drops the cache; the TTL bounds staleness should that
@@ -92,13 +97,24 @@ class DisposalRules(BaseModel):
     key: RuleKey
 
 
+class ItemRule(BaseModel):
+    """The disposal rules of one of the photo's items."""
+
+    model_config = ConfigDict(frozen=True)
+
+    index: int = Field(description="The item's `index` in `items`.")
+    disposal_rules: DisposalRules | None
+    reason: str | None = Field(description="Why `disposal_rules` is null.")
+
+
 class RuleResult(StageResult):
-    """The disposal rules were looked up."""
+    """The disposal rules were looked up (the main item's, and every item's)."""
 
     done_names: ClassVar[Mapping[str, str]] = {"reason": "disposal_rules_reason"}
 
     disposal_rules: DisposalRules | None
     reason: str | None = Field(description="Why `disposal_rules` is null.")
+    item_rules: list[ItemRule] = Field(description="Each item's rules, in the order of `items`.")
 
 
 @dataclass(frozen=True)
@@ -118,7 +134,11 @@ class RuleMatch:
             rules = DisposalRules.model_validate(
                 {**self.document, "matched_by": self.matched_by, "key": self.key}
             )
-        return RuleResult(disposal_rules=rules, reason=self.reason)
+        return RuleResult(disposal_rules=rules, reason=self.reason, item_rules=[])
+
+    def for_item(self, index: int) -> ItemRule:
+        result = self.result
+        return ItemRule(index=index, disposal_rules=result.disposal_rules, reason=result.reason)
 
 
 class RuleBook:
@@ -272,8 +292,24 @@ class RuleBook:
         return self._ttl_s if self.listening else min(self._ttl_s, LISTENER_DOWN_TTL_S)
 
     async def run(self, ctx: ScanContext) -> RuleResult:
-        match = await self.find(ctx.result(VisionResult).classification)  # DatabaseError if it fails
-        return match.result
+        vision = ctx.result(VisionResult)
+        several = len(vision.items) > 1
+        # The main item's category first: its rule is the stage's own and `done`'s.
+        order = sorted(vision.items, key=lambda item: not item.main)
+        found: dict[Classification, RuleMatch] = {}
+        rules: dict[int, ItemRule] = {}
+        for item in order:
+            c = item.classification
+            if c not in found:
+                found[c] = await self.find(c)  # DatabaseError if it fails
+            rules[item.index] = found[c].for_item(item.index)
+            if several:
+                await ctx.emit_item("item_rule", rules[item.index].model_dump(mode="json"))
+        # (A log written before items existed has none: the main classification alone.)
+        main_match = found.get(vision.classification) or await self.find(vision.classification)
+        main = main_match.result
+        item_rules = [rules[item.index] for item in vision.items]
+        return main.model_copy(update={"item_rules": item_rules})
 
     async def find(self, c: Classification) -> RuleMatch:
         self._notice_dead_listener()

@@ -1,6 +1,8 @@
 // ecoscan's "try it" page: downscale a photo, POST it, read the SSE stream with fetch.
 // Plain ES module, no dependencies. The contract is docs/api.md's "The event stream".
 
+import { resetItems, showItem, showItemRule, showItemsFromDone } from "./items.js?v=__VERSION__";
+
 const SCAN_URL = "/api/v1/scan/classify/completion";
 // The service's IMAGE_LONG_SIDE (app/http/page.py writes it into the page): a photo downscaled
 // to it, a plain JPEG, goes to the model as it came, checked instead of re-encoded.
@@ -399,6 +401,10 @@ function handleEvent(scan, sse) {
     else if (data.step === "rule") renderRule(data.disposal_rules, data.reason);
     else if (data.step === "answer") renderAnswer(data.answer);
     else if (data.step === "reward") renderReward(data.reward, !scan.userId);
+  } else if (sse.event === "item") {
+    showItem(data);
+  } else if (sse.event === "item_rule") {
+    showItemRule(data);
   } else if (sse.event === "delta") {
     els.answerCard.hidden = false;
     els.answerText.append(data.text || "");
@@ -414,6 +420,7 @@ function handleEvent(scan, sse) {
     }
     renderClassification(data);
     renderRule(data.disposal_rules, data.disposal_rules_reason);
+    showItemsFromDone(data);
     renderAnswer(data.answer);
     renderReward(data.reward, !scan.userId);
     els.result.dataset.state = "done";
@@ -517,6 +524,7 @@ async function start({ reuseKey = false } = {}) {
   els.result.focus({ preventScroll: false });
   setStatus("사진을 준비하는 중…");
   const blob = reuseKey && previous ? previous.blob : await downscale(photo);
+  resetItems(blob);
   const scan = {
     controller: new AbortController(),
     jobId: null,

@@ -93,10 +93,17 @@ class ScanAccess:
         return body
 
     async def events(
-        self, scan_id: uuid.UUID, reader: Reader | None, *, after: int, headers: dict[str, str] | None = None
+        self,
+        scan_id: uuid.UUID,
+        reader: Reader | None,
+        *,
+        after: int,
+        headers: dict[str, str] | None = None,
+        follower: str | None = None,
     ) -> Response:
         """The scan's events with `seq > after`, identical to what was first sent, then
-        live until the terminal one."""
+        live until the terminal one. `follower` keys the follower caps: the reader's rate
+        key, or the caller's for a replay (which has no reader)."""
         run, stored = await self._find(scan_id, reader)
         if run is not None:
             if _past_the_end(run.log, after):
@@ -106,9 +113,9 @@ class ScanAccess:
         if stored.event_log is None:
             if stored.status != "running":
                 raise ScanEventsGone()
-            return await self._follow_elsewhere(
-                scan_id, after, headers, follower=reader.rate_key if reader else ""
-            )
+            key = follower if follower is not None else reader.rate_key if reader else None
+            assert key, "a follow is always keyed by its caller"
+            return await self._follow_elsewhere(scan_id, after, headers, follower=key)
         log = EventLog.from_json(stored.event_log)
         if _past_the_end(log, after):
             return Response(status_code=204, headers=headers)
@@ -146,10 +153,14 @@ class ScanAccess:
         fields = {"code": code, "message": message, "retryable": code in RETRYABLE_CODES}
         return [LogEntry(position + 1, progress, RecordedEvent(kind="error", step=step, recorded=fields))]
 
-    def replay(self, scan_id: uuid.UUID, *, headers: dict[str, str] | None = None) -> Awaitable[Response]:
+    def replay(
+        self, scan_id: uuid.UUID, *, follower: str, headers: dict[str, str] | None = None
+    ) -> Awaitable[Response]:
         """A repeated POST's answer: the scan its idempotency key names, from the start.
-        The key (same caller, same request) is the proof of ownership here."""
-        return self.events(scan_id, None, after=0, headers=headers)
+        The key (same caller, same request) is the proof of ownership here; `follower` is
+        the caller's rate key, so a replay that follows another replica counts against the
+        caller's own follower cap."""
+        return self.events(scan_id, None, after=0, headers=headers, follower=follower)
 
     async def cancel(self, scan_id: uuid.UUID, reader: Reader) -> dict[str, Any]:
         run, stored = await self._find(scan_id, reader)

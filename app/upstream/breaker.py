@@ -4,8 +4,10 @@ Closed: calls go. A run of failures (`FAILURES_TO_OPEN` in a row), or too many i
 window (`WINDOW_S`, at least `WINDOW_MIN_CALLS` calls, `WINDOW_FAILURE_RATIO` failed),
 opens it for a cooldown: the wait the upstream asked for when it gave one, else
 `UPSTREAM_OPEN_S` (`OPEN_BASE_S` by default), doubling with each reopening up to
-`OPEN_MAX_S`. Past the cooldown one
-call at a time probes it (half-open): a success closes it, a failure opens it again.
+`UPSTREAM_PROBE_MAX_S` (`OPEN_MAX_S`). Past the cooldown one probe at a time tests it
+(half-open): a success closes it, a failure opens it again. Probes are the service's
+own requests (app/upstream/probes.py), never a user's call: only a closed breaker is
+`ready` for calls, and a call with nowhere to go waits for a return (`watch_closed`).
 
 A deployment can also be taken out: a key refused or a deployment that does not exist
 (401/403/404) for `OUT_RETRY_S`, an exhausted quota for `QUOTA_COOLDOWN_S`; then probed
@@ -56,9 +58,12 @@ class BreakerListener(Protocol):
 
 
 class Breaker:
-    def __init__(self, name: str, *, open_base_s: float = OPEN_BASE_S) -> None:
+    def __init__(
+        self, name: str, *, open_base_s: float = OPEN_BASE_S, open_max_s: float = OPEN_MAX_S
+    ) -> None:
         self.name = name
         self._open_base_s = open_base_s
+        self._open_max_s = max(open_max_s, open_base_s)
         self.state = CLOSED
         self.reason = ""  # why it is open or out, for logs and /readyz
         self.out = False  # taken out (a key, a deployment or a quota), not just failing
@@ -73,6 +78,7 @@ class Breaker:
         self._last_failure_at = -math.inf
         self._opened_at = -math.inf  # when it last opened: calls sent before say nothing since
         self._open_watchers: set[Callable[[], None]] = set()
+        self._closed_watchers: set[Callable[[], None]] = set()
 
     def gauge(self) -> int:
         """`ecoscan_upstream_state`: 0 closed, 1 open, 2 half-open, 3 taken out."""
@@ -97,8 +103,21 @@ class Breaker:
     def unwatch_open(self, callback: Callable[[], None]) -> None:
         self._open_watchers.discard(callback)
 
+    def watch_closed(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when the breaker next closes (a probe succeeded, here or on
+        another replica), once; `unwatch_closed` when no longer interested."""
+        self._closed_watchers.add(callback)
+
+    def unwatch_closed(self, callback: Callable[[], None]) -> None:
+        self._closed_watchers.discard(callback)
+
     def _tell_watchers(self) -> None:
         watchers, self._open_watchers = self._open_watchers, set()
+        for callback in watchers:
+            callback()
+
+    def _tell_closed(self) -> None:
+        watchers, self._closed_watchers = self._closed_watchers, set()
         for callback in watchers:
             callback()
 
@@ -107,8 +126,9 @@ class Breaker:
         return self.state != CLOSED and now >= self.open_until and not self.probing
 
     def ready(self, now: float) -> bool:
-        """May a call go to this deployment now (a probe, when half-open)? Changes nothing."""
-        return self.state == CLOSED or self.would_probe(now)
+        """May a user's call go to this deployment now? Only when closed: probes test an
+        open one. Changes nothing."""
+        return self.state == CLOSED
 
     def begin(self, now: float) -> int:
         """A call goes: past its cooldown an open breaker lets this one through as the probe.
@@ -128,11 +148,14 @@ class Breaker:
         if started is not None and started < self._last_failure_at:
             return
         self._failures_in_a_row = 0
-        if self.state != CLOSED:
+        was_closed = self.state == CLOSED
+        if not was_closed:
             log.warning("upstream %s is back (%s)", self.name, self.reason or "probe succeeded")
             if self.listener is not None:
                 self.listener.closed(self)
         self.state, self.probing, self.opened, self.out, self.reason = CLOSED, False, 0, False, ""
+        if not was_closed:
+            self._tell_closed()
 
     def failed(
         self, now: float, reason: str, wait_s: float | None = None, *, sent_at: float | None = None
@@ -157,7 +180,7 @@ class Breaker:
             or self._failures_in_a_row >= FAILURES_TO_OPEN
             or self._window_failing(now)
         ):
-            cooldown = min(OPEN_MAX_S, self._open_base_s * 2**self.opened)
+            cooldown = min(self._open_max_s, self._open_base_s * 2**self.opened)
             self._open(now, max(cooldown, wait_s or 0.0), reason)
 
     def take_out(self, now: float, reason: str, seconds: float) -> None:
@@ -202,6 +225,7 @@ class Breaker:
             log.warning("upstream %s is back (another replica's probe succeeded)", self.name)
             self.state, self.opened, self.out, self.reason = CLOSED, 0, False, ""
             self._failures_in_a_row = 0
+            self._tell_closed()
 
     def probed_elsewhere(self, now: float, seconds: float) -> None:
         """Another replica is probing it: no probe from here for `seconds`."""

@@ -25,6 +25,18 @@ class ChatRequest:
     image_sizes: Mapping[str, tuple[int, int]] | None = None  # image URL -> (width, height)
     extra_prompt_tokens: int = 0  # what the prompt counts beyond the messages (the schema)
 
+    @property
+    def kind(self) -> str:
+        """`image` or `text`: limiters count the two differently from our estimate, so
+        what they charge is learned apart (app/limits/charge_learning.py)."""
+        for message in self.messages:
+            content = message.get("content")
+            if isinstance(content, list) and any(
+                isinstance(part, Mapping) and part.get("type") == "image_url" for part in content
+            ):
+                return "image"
+        return "text"
+
 
 @dataclass(frozen=True)
 class ChatCall:
@@ -37,7 +49,9 @@ class ChatCall:
     response_format: dict[str, Any] | None = None
     safety_identifier: str | None = None
     upstream: str = ""  # the deployment's name
-    reservation_tokens: int = 0  # what its provider's limiter counts at arrival
+    reservation_tokens: int = 0  # what its provider's limiter counts at arrival, as learned
+    limiter_estimate: int = 0  # the same by today's formula, before learning
+    kind: str = "text"  # ChatRequest.kind
 
     @property
     def model(self) -> str:

@@ -47,8 +47,10 @@ from app.runtime.metrics import Metrics
 from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
 from app.upstream.endpoint import StallWatch, until_eof
+from app.upstream.hedging import HedgePolicy, claim, race, sending, take_over
+from app.upstream.negotiation import NEGOTIATION_WAIT_S, NO_WAIT, Trial
+from app.upstream.probes import wait_for_return
 from app.upstream.routes import NoRoute, Route, Router
-from app.upstream.shared_breaker import SharedBreakers
 from app.upstream.wire import (
     Pause,
     check_finish,
@@ -73,6 +75,13 @@ OUT_STATUSES = (401, 403, 404)
 QUOTA_REASON = "insufficient_quota"
 # A call taken off a deployment whose breaker opened before the call was sent.
 REROUTED = "rerouted"
+# An attempt whose hedge (or first attempt) answered first: cancelled, never retried.
+HEDGE_LOST = "hedge_lost"
+# How many times one call waits for a deployment's return, every one of its stage's being
+# down: a deployment whose probes pass but whose calls fail must not hold a call forever.
+MAX_RIDES = 2
+# The longest one such wait lasts (UPSTREAM_RIDE_OUT_S), within the call's deadline.
+RIDE_OUT_S = 20.0
 REJECTED_KEY_MESSAGE = (
     "The AI service refused this service's credentials, or the deployment does not exist; "
     "the operator must fix the configuration."
@@ -103,12 +112,16 @@ class Upstream:
         retry: RetryPolicy,
         metrics: Metrics,
         clock: Clock,
-        shared_breakers: SharedBreakers | None = None,
+        negotiation_wait_s: float = NEGOTIATION_WAIT_S,
+        ride_out_s: float = RIDE_OUT_S,
+        hedging: HedgePolicy | None = None,
         late_timeouts: LateTimeouts | None = None,
     ) -> None:
         self.router = router
+        self._hedging = hedging  # None: calls are never hedged
+        self._negotiation_wait_s = negotiation_wait_s
+        self._ride_out_s = ride_out_s
         self._late_timeouts = late_timeouts
-        self._shared_breakers = shared_breakers  # REDIS_URL: probes claimed across replicas
         self.gates = gates
         self._retry = retry
         self._metrics = metrics
@@ -193,69 +206,140 @@ class Upstream:
         result = ChatResult()
         failed_on: dict[str, str] = {}  # deployment -> why it failed this call
         failures = 0
-        detours = 0  # routes skipped because another replica is probing them
+        detours = 0  # calls taken off a deployment that went down while they queued
+        rides = 0  # waits for a deployment's return, every one of the stage's being down
         chosen: Route | None = None
         while True:
-            route = chosen or self._pick(request, failed_on, until())
-            probe = await self._probe_for(route)
-            if probe is None and detours < len(self.routes):
-                detours, chosen = detours + 1, None
-                continue
+            route = chosen or await self._pick(request, failed_on, until)
             call = route.shaped(request)
-            result.attempts += 1
+            trial = await self._negotiated(route, call, read_stream is not None, until())
             try:
-                await self._attempt(route, call, until(), read_stream, result, probe or 0)
-                result.upstream = route.name
+                result.attempts += 1
+                served = await self._hedged(route, call, request, until(), read_stream, result)
+                result.upstream = served.name
                 return result
-            except AttemptFailed as failed:
-                if failed.reason == REROUTED and detours < len(self.routes):
-                    # Its deployment went down while the call queued: elsewhere, at once.
-                    detours, chosen = detours + 1, None
-                    failed_on.setdefault(route.name, failed.reason)
-                    self._metrics.upstream_failovers.labels(request.stage, REROUTED).inc()
-                    continue
-                if failed.reason not in UNCOUNTED:
-                    failures += 1
-                    failed_on[route.name] = failed.reason
-                shown = bool(result.text)
+            except AttemptFailed as exc:
+                failed = exc
+            finally:
+                if trial is not None:  # answered or not: calls waiting for it look again
+                    route.negotiation.end(trial)
+            if failed.reason == REROUTED and detours < len(self.routes):
+                # Its deployment went down while the call queued: elsewhere, at once.
+                detours, chosen = detours + 1, None
+                failed_on.setdefault(route.name, failed.reason)
+                self._metrics.upstream_failovers.labels(request.stage, REROUTED).inc()
+                continue
+            if failed.reason not in UNCOUNTED:
+                failures += 1
+                failed_on[route.name] = failed.reason
+            shown = bool(result.text)
+            try:
                 chosen = await self._before_next(request, route, failed, failures, failed_on, until())
-                if shown and on_restart is not None:  # it starts again: what was shown is void
-                    self._metrics.upstream_restarts.labels(request.stage).inc()
-                    await on_restart()
+            except NoRoute:
+                # Every deployment of the stage is down, none taken out: the call waits for
+                # one's return (a probe's success) instead of spending its attempts now.
+                if rides >= MAX_RIDES or not await self._ride_out(request.stage, until()):
+                    self._give_up(request, failed, failures)
+                rides, chosen = rides + 1, None
+            if shown and on_restart is not None:  # it starts again: what was shown is void
+                self._metrics.upstream_restarts.labels(request.stage).inc()
+                await on_restart()
 
-    async def _probe_for(self, route: Route) -> int | None:
-        """The probe id when this call is to be its deployment's probe (0: a plain call),
-        or None: another replica probes it now (or knows it open for longer), so this
-        call goes elsewhere. The probe is claimed before the gate and the budget, so no
-        other call of this process takes it meanwhile."""
-        breaker = route.breaker
-        if not breaker.would_probe(self._clock.now()):
-            return 0
-        shared = self._shared_breakers
-        if shared is not None:
-            wait_s = await shared.claim_probe(breaker)
-            if wait_s is not None:
-                breaker.probed_elsewhere(self._clock.now(), wait_s)
+    async def _hedged(
+        self,
+        route: Route,
+        call: ChatCall,
+        request: ChatRequest,
+        deadline: float,
+        read_stream: ReadStream | None,
+        result: ChatResult,
+    ) -> Route:
+        """One attempt on `route`, hedged on another deployment when its reply is late
+        (app/upstream/hedging.py); returns the route that served it."""
+        policy = self._hedging
+        # Counted on its route at once, before its task runs: the next call's pick sees it.
+        first = self._attempt(route, call, deadline, read_stream, result, route.limit.enter())
+        if policy is None or len(self.router.by_stage.get(route.stage, ())) < 2:
+            await first
+            return route
+        policy.budget.call(self._clock.now())
+        hedged_on: list[Route] = []
+        hedge_result = ChatResult()  # its own: it must not touch what the first attempt reads
+
+        def hedge() -> Awaitable[None] | None:
+            spare = self.router.spare(route, lambda r: r.limiter_tokens(r.estimate(request), request.kind))
+            outcome = "no_route" if spare is None else "sent"
+            if spare is not None and not policy.budget.take(self._clock.now()):
+                spare, outcome = None, "no_budget"
+            self._metrics.upstream_hedges.labels(route.stage, outcome).inc()
+            if spare is None:
                 return None
-            if breaker.state == CLOSED:  # closed by another call meanwhile
-                shared.probe_ended(breaker)
-                return 0
-        probe = breaker.begin(self._clock.now())
-        if not probe and shared is not None:  # changed during the claim: not ours to hold
-            shared.probe_ended(breaker)
-        return probe or None
-
-    def _pick(self, request: ChatRequest, failed_on: Mapping[str, str], deadline: float) -> Route:
-        try:
-            return self.router.pick(
-                request.stage,
-                lambda r: r.limiter_tokens(r.estimate(request)),
-                avoid=failed_on,
-                within_s=deadline - self._clock.now(),
+            hedged_on.append(spare)
+            result.attempts += 1
+            return self._attempt(
+                spare, spare.shaped(request), deadline, read_stream, hedge_result, spare.limit.enter()
             )
-        except NoRoute as none:
-            log.warning("%s call: no deployment can take it for %.1f s", request.stage, none.wait_s)
-            raise self._none_left(request.stage, none.wait_s) from None
+
+        after_s = policy.after(route.first_byte)
+        started = self._clock.now()
+        try:
+            winner = await race(first, hedge, after_s)
+        except AttemptFailed as failed:
+            if failed.reason == "timeout":  # no first byte at all: late
+                route.first_byte.mark(late=True, now=self._clock.now())
+            raise
+        if not hedged_on:
+            return route
+        self._metrics.upstream_hedges.labels(route.stage, "won" if winner == 2 else "lost").inc()
+        if winner == 1:
+            return route
+        # Its reply was late past its own p99: its limit backs off, the router sends it less.
+        route.limit.observe(self._clock.now() - started, overloaded=True)
+        route.first_byte.mark(late=True, now=self._clock.now())
+        take_over(result, hedge_result)
+        return hedged_on[0]
+
+    async def _negotiated(self, route: Route, call: ChatCall, stream: bool, deadline: float) -> Trial | None:
+        """Wait, if another call is finding out whether `route` takes parameters this call
+        carries, for its answer (app/upstream/negotiation.py); a `Trial` when this call is
+        the one to find out. Before the gate and the budget: a waiting call holds neither."""
+        negotiation = route.negotiation
+        if negotiation.settled:
+            return None
+        names = route.sent_names(request_body(call, stream=stream))
+        wait_s = min(self._negotiation_wait_s, max(0.0, deadline - self._clock.now()))
+        trial, waited = await negotiation.turn(names, wait_s)
+        if waited != NO_WAIT:
+            self._metrics.upstream_negotiation_waits.labels(route.name, waited).inc()
+        return trial
+
+    async def _pick(
+        self, request: ChatRequest, failed_on: Mapping[str, str], until: Callable[[], float]
+    ) -> Route:
+        """The first attempt's route; with every deployment of the stage down (none taken
+        out), once one is back, within the deadline."""
+        while True:
+            try:
+                return self.router.pick(
+                    request.stage,
+                    lambda r: r.limiter_tokens(r.estimate(request), request.kind),
+                    avoid=failed_on,
+                    within_s=until() - self._clock.now(),
+                    prefix=self.router.prefix_of(request),
+                )
+            except NoRoute as none:
+                if none.returning and await self._ride_out(request.stage, until()):
+                    continue
+                log.warning("%s call: no deployment can take it for %.1f s", request.stage, none.wait_s)
+                raise self._none_left(request.stage, none.wait_s) from None
+
+    async def _ride_out(self, stage: str, deadline: float) -> bool:
+        """Wait for one of `stage`'s deployments to come back (its probe succeeded), until
+        `deadline` or for `UPSTREAM_RIDE_OUT_S`: True when one did."""
+        wait_s = min(self._ride_out_s, deadline - self._clock.now())
+        back = await wait_for_return(self.router.by_stage.get(stage, []), wait_s)
+        self._metrics.upstream_ride_outs.labels(stage, "returned" if back else "expired").inc()
+        return back
 
     def _none_left(self, stage: str, wait_s: float) -> ScanFailed:
         """Every deployment serving `stage` is out: the error says why. Refused keys or
@@ -280,19 +364,28 @@ class Upstream:
         deadline: float,
     ) -> Route | None:
         """Raise when this was the last attempt; otherwise wait as long as the next one must
-        and say where it goes (None: wherever the router picks)."""
+        and say where it goes (None: wherever the router picks). `NoRoute` when every
+        deployment of the stage is down and one may come back."""
         if failed.reason == "negotiated" or (failed.reason == LOOP_LATE and deadline > self._clock.now()):
             return route  # the same route again, at once: without what it refused, or on time
         left = deadline - self._clock.now()
-        if not failed.retry or failures >= self._retry.max_attempts or left <= 0:
+        if not failed.retry or left <= 0:
             self._give_up(request, failed, failures)
-        self._metrics.upstream_retries.labels(route.model, failed.reason).inc()
         try:
             following = self.router.pick(
-                request.stage, lambda r: r.limiter_tokens(r.estimate(request)), avoid=failed_on, within_s=left
+                request.stage,
+                lambda r: r.limiter_tokens(r.estimate(request), request.kind),
+                avoid=failed_on,
+                within_s=left,
             )
-        except NoRoute:  # every deployment taken out (a key, a deployment, a quota): that is the answer
+        except NoRoute as none:
+            if none.returning:  # every one down, some coming back: the caller waits for it
+                raise
+            # Every deployment taken out (a key, a deployment, a quota): that is the answer.
             self._give_up(request, failed, failures)
+        if failures >= self._retry.max_attempts:
+            self._give_up(request, failed, failures)
+        self._metrics.upstream_retries.labels(route.model, failed.reason).inc()
         if following.name not in failed_on:  # another deployment can take it: go at once
             self._metrics.upstream_failovers.labels(request.stage, failed.reason).inc()
             log.info(
@@ -324,21 +417,22 @@ class Upstream:
         deadline: float,
         read_stream: ReadStream | None,
         result: ChatResult,
-        probe: int,
+        entered: int | None = None,
     ) -> None:
-        """One attempt on `route`; `probe`: its breaker's probe id when this call is the
-        probe (freed here unless the call gives its verdict)."""
+        """One attempt on `route`; `entered`: its token in the route's limit, when the
+        caller counted it there already (an attempt that runs as a task of its own)."""
         budget = route.budget
         gate = self.gates[call.stage]
         m = self._metrics
         breaker = route.breaker
-        entered = route.limit.enter()  # the route's from now: `Router.pick` counts it there
+        if entered is None:
+            entered = route.limit.enter()  # the route's from now: `Router.pick` counts it there
         try:
             async with gate.hold() as gate_wait:
                 m.stage_queue.labels(call.stage, "semaphore").observe(gate_wait)
                 budget_started = time.perf_counter()
                 try:
-                    reservation = await self._reserve(route, call, deadline, probe)
+                    reservation = await self._reserve(route, call, deadline)
                 except BudgetDeadlineExceeded:
                     # Not this deployment's fault: another one's budget may take the call in time.
                     wait_s = budget.predicted_wait(call.reservation_tokens)
@@ -383,17 +477,12 @@ class Upstream:
                     m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
         finally:
             route.limit.leave(entered)
-            if probe:  # no verdict (cancelled, or never sent): the next call may probe
-                breaker.released(probe)
 
-    async def _reserve(self, route: Route, call: ChatCall, deadline: float, probe: int) -> Reservation:
-        """The call's reservation on `route`'s budget. A call that is not the probe does not
-        go to a deployment whose breaker opened before it was sent (while it queued for the
-        budget, say): it leaves the queue at once and is `REROUTED`, when another
-        deployment can take it."""
+    async def _reserve(self, route: Route, call: ChatCall, deadline: float) -> Reservation:
+        """The call's reservation on `route`'s budget. A call does not go to a deployment
+        whose breaker opened before it was sent (while it queued for the budget, say): it
+        leaves the queue at once, `REROUTED`, for another deployment or its return."""
         budget, breaker = route.budget, route.breaker
-        if probe or not self._elsewhere(route):
-            return await budget.reserve(call.reservation_tokens, deadline=deadline)
         if breaker.state != CLOSED:
             raise AttemptFailed(UpstreamUnavailable(), retry=True, reason=REROUTED)
         opened = False
@@ -415,11 +504,6 @@ class Upstream:
                 raise
             raise AttemptFailed(UpstreamUnavailable(), retry=True, reason=REROUTED) from None
 
-    def _elsewhere(self, route: Route) -> bool:
-        """Can another deployment take `route`'s stage now?"""
-        now = self._clock.now()
-        return any(r is not route and r.breaker.ready(now) for r in self.router.by_stage.get(route.stage, []))
-
     async def _call(
         self,
         route: Route,
@@ -433,7 +517,10 @@ class Upstream:
         # not pass for the retry's.
         result.text, result.refusal, result.finish_reason = "", "", None
         sent_version = route.negotiation.version
-        body = route.adapt(request_body(call, stream=read_stream is not None))
+        built = request_body(call, stream=read_stream is not None)
+        body = route.adapt(built)
+        # Numbered as sent: its reply's headers then say what the limiter charged it.
+        reservation.sent = await route.budget.sent(call.kind, call.limiter_estimate)
         try:
             response, content = await self._reply(route, orjson.dumps(body), whole=read_stream is None)
             watch: StallWatch | None = None
@@ -442,7 +529,9 @@ class Upstream:
                     raise self._status_failure(
                         route, call, reservation, response, content, sent_version, sent_at
                     )
-                self._observe(route, call, response, "2xx")
+                if not route.negotiation.settled:  # what it carried is taken: waiting calls go
+                    route.negotiation.accept(route.sent_names(built))
+                self._observe(route, call, response, "2xx", reservation)
                 if read_stream is None:
                     usage = read_completion(content, result)
                 else:
@@ -482,8 +571,15 @@ class Upstream:
         response: aiohttp.ClientResponse | None = None
         try:
             async with waiting:
+                sending()
                 response = await endpoint.post(body)
+                seen_after = time.monotonic() - sent
+                route.first_byte.observe(seen_after)
+                if self._hedging is not None:  # on time, or late: the route's late share
+                    self._hedging.judge(route.first_byte, seen_after, self._clock.now())
                 ok = 200 <= response.status < 300
+                if ok and not claim():  # a hedged call's other attempt answered first
+                    raise AttemptFailed(UpstreamError(), retry=False, reason=HEDGE_LOST)
                 content = await response.read() if whole or not ok else b""
         except BaseException as exc:
             if response is not None:
@@ -504,12 +600,16 @@ class Upstream:
         """The budget spends what the provider's limiter counted (nothing back, for OpenAI
         and Azure); what the call really used is counted apart, in the token metrics."""
         result.prompt_tokens, result.completion_tokens, result.reasoning_tokens, result.cached_tokens = usage
-        reservation.settle(route.provider.limiter_settles(reservation.tokens, usage[0], usage[1]))
+        reservation.settle(route.settled_tokens(call, reservation.tokens, usage[0], usage[1]))
+        self._metrics.upstream_charge.labels(call.model, call.kind).observe(reservation.tokens)
         tokens = self._metrics.upstream_tokens
         tokens.labels(call.model, "prompt").inc(usage[0])
         tokens.labels(call.model, "completion").inc(usage[1])
         tokens.labels(call.model, "reasoning").inc(usage[2])
         tokens.labels(call.model, "cached").inc(usage[3])
+        by_deployment = self._metrics.upstream_prompt_tokens  # a provider's prompt cache is its own
+        by_deployment.labels(route.name, call.stage, "prompt").inc(usage[0])
+        by_deployment.labels(route.name, call.stage, "cached").inc(usage[3])
 
     def _transport_failure(
         self,
@@ -550,10 +650,11 @@ class Upstream:
         wait_s = provider.wait_hint(response.headers, info)
         now = self._clock.now()
         if status == 429:
-            self._observe(route, call, response, "429")
+            self._observe(route, call, response, "429", reservation)
             self._metrics.upstream_429.labels(call.model, str(info.code or info.kind or "unknown")).inc()
             # A 429 is not counted by the upstream: give the reservation back.
             reservation.settle(None)
+            route.budget.charge_refused(call.kind, reservation.tokens, wait_s, info.limit)
             if info.code == "insufficient_quota":
                 route.breaker.take_out(now, QUOTA_REASON, QUOTA_COOLDOWN_S)
                 return AttemptFailed(UpstreamQuotaExhausted(), retry=True, reason=QUOTA_REASON)
@@ -561,7 +662,7 @@ class Upstream:
             route.breaker.failed(now, "429", wait_s, sent_at=sent_at)
             return AttemptFailed(UpstreamRateLimited(), retry=True, reason="429", wait_s=wait_s)
         status_class = f"{status // 100}xx"
-        self._observe(route, call, response, status_class)
+        self._observe(route, call, response, status_class, reservation)
         if status >= 500 or status in (408, 409):
             route.breaker.failed(now, status_class, wait_s, sent_at=sent_at)
             return AttemptFailed(UpstreamError(), retry=True, reason=status_class, wait_s=wait_s)
@@ -583,12 +684,19 @@ class Upstream:
         log.error("upstream %s rejected %s call with %d: %s", route.name, call.stage, status, message)
         return AttemptFailed(UpstreamRejected(), retry=False, reason=status_class)
 
-    def _observe(self, route: Route, call: ChatCall, response: aiohttp.ClientResponse, status: str) -> None:
+    def _observe(
+        self,
+        route: Route,
+        call: ChatCall,
+        response: aiohttp.ClientResponse,
+        status: str,
+        reservation: Reservation,
+    ) -> None:
         self._count(call, status)
         if not route.provider.rate_headers:
             return
         limits = ratelimit_headers(response.raw_headers)
-        route.budget.observe_headers(limits)
+        route.budget.observe_headers(limits, sent=reservation.sent, charged=status != "429")
         for resource in ("requests", "tokens"):
             raw = limits.get(f"x-ratelimit-remaining-{resource}")
             if raw is not None and raw.isdigit():

@@ -99,13 +99,19 @@ export const SUMMARY_TREND_STATS = ['avg', 'min', 'med', 'max', 'p(90)', 'p(95)'
 // 320x240 tiny images), so the scripts run right after install.
 const GENERATED_DIR = '../images';
 const SAMPLES_DIR = '../sample-images';
-const USER_INPUTS = [
+const ALL_USER_INPUTS = [
   '이거 어떻게 버려요?',
   '뚜껑이랑 라벨은 따로 분리해야 하나요?',
   '음식물이 조금 묻어 있는데 재활용 되나요?',
   '',
   'How do I dispose of this?',
 ];
+// USER_INPUT_LANG=ko or en: only the notes in that language (a limiter may count Korean
+// and English differently from our estimate: k6/budget_bench.py --language).
+const USER_INPUTS = {
+  ko: ALL_USER_INPUTS.slice(0, 3),
+  en: ['How do I dispose of this?', 'Should the cap and the label be separated first?'],
+}[__ENV.USER_INPUT_LANG || ''] || ALL_USER_INPUTS;
 
 function readManifest(dir) {
   return JSON.parse(open(`${dir}/manifest.json`));

@@ -37,7 +37,7 @@ from app.errors import (
 # The scan endpoint refuses with every client mistake and admission refusal of the error
 # tree but these: nobody reads a 499, and the scans-as-resources refusals belong to the
 # endpoints that read, follow or cancel a scan (of them, a POST that repeats an earlier
-# one with its `Idempotency-Key` can only meet `SCAN_RUNNING_ELSEWHERE`). Derived, so
+# one with its `Idempotency-Key` can only meet `SCAN_RUNNING_ELSEWHERE` and `FOLLOWER_LIMIT`). Derived, so
 # that a refusal added to the tree is documented with it.
 _NOT_SCAN_REFUSALS: frozenset[type[EcoscanError]] = frozenset(
     {
@@ -47,7 +47,6 @@ _NOT_SCAN_REFUSALS: frozenset[type[EcoscanError]] = frozenset(
         ScanConflict,
         ScanAlreadyFinished,
         ScanEventsGone,
-        FollowerLimit,
     }
 )
 

@@ -23,6 +23,9 @@ from pydantic.fields import FieldInfo
 from app.http.openapi.common import REF
 from app.http.openapi.errors import stream_error_codes
 from app.stages.base import StageClass
+from app.stages.items import FoundItem
+from app.stages.rule import ItemRule, RuleBook
+from app.stages.vision import VisionStage
 
 # Where a stream response's description lists what each stage's `completed` event
 # carries: filled in for the app's stage list (`stream_description`).
@@ -151,11 +154,54 @@ def event_models(stages: Sequence[StageClass]) -> dict[str, list[type[BaseModel]
     )
     return {
         "stage": [started, *completed],
+        **item_event_models(stages),
         "delta": [delta],
         "discard": [discard],
         "done": [done],
         "error": [error],
     }
+
+
+def item_event_models(stages: Sequence[StageClass]) -> dict[str, list[type[BaseModel]]]:
+    """The vision and rule stages' item events (app/stages/items.py), where they are listed."""
+    events: dict[str, list[type[BaseModel]]] = {}
+    if VisionStage in stages:
+        vision = (_one_of([VisionStage.name]), ...)
+        events["items"] = [
+            _model(
+                "ItemsEvent",
+                "`event: items`: how many items the photo holds (sent for every photo, before "
+                "the vision stage completes); `item` events follow for a photo of several.",
+                step=vision,
+                count=(int, Field(ge=1, description="Items found, at most MAX_ITEMS.")),
+                main=(int, Field(ge=0, description="The main item's `index`.")),
+                dropped=(int, Field(ge=0, description="Items the reply named that were left out.")),
+            )
+        ]
+        item_fields: dict[str, Any] = {
+            name: (info.annotation, info) for name, info in FoundItem.model_fields.items()
+        }
+        events["item"] = [
+            _model(
+                "ItemEvent",
+                "`event: item`: one item of a photo of several, classified, with its box.",
+                step=vision,
+                **item_fields,
+            )
+        ]
+    if RuleBook in stages:
+        rule_fields: dict[str, Any] = {
+            name: (info.annotation, info) for name, info in ItemRule.model_fields.items()
+        }
+        events["item_rule"] = [
+            _model(
+                "ItemRuleEvent",
+                "`event: item_rule`: one item of a photo of several, its rules found.",
+                step=(_one_of([RuleBook.name]), ...),
+                **rule_fields,
+            )
+        ]
+    return events
 
 
 def _model(name: str, doc: str | None, *, base: type[BaseModel] = _Event, **fields: Any) -> type[BaseModel]:
@@ -202,9 +248,26 @@ def stream_description(description: str, stages: Sequence[StageClass]) -> str:
     lines = [
         '- `stage`: `status: "started"`; or `status: "completed"`, `duration_ms` and the stage\'s '
         f"result: {results}.",
+        *_item_lines(stages),
         f"- `delta`: `step` ({_listed(streaming)}), `text`: the next piece of the guidance as it is written.",
         "- `discard`: `step`: the text of that step streamed so far is void (its call starts "
         "again elsewhere); the deltas that follow are the new text.",
         f"- `done`: terminal success: {_listed([*done, 'upstreams', 'timings'])}.",
     ]
     return description.replace(STAGE_FIELDS, "\n".join(lines))
+
+
+def _item_lines(stages: Sequence[StageClass]) -> list[str]:
+    lines = []
+    if VisionStage in stages:
+        lines.append(
+            "- `items`: `count`, `main`, `dropped`: how many items the photo holds, for every photo, "
+            "before vision completes; for a photo of several, `item` events follow: `index`, `main`, "
+            "`classification`, `item_name`, `situation_tags`, `box` (shares of the image, or null)."
+        )
+    if RuleBook in stages:
+        lines.append(
+            "- `item_rule`: `index`, `disposal_rules`, `reason`: one item's rules (a photo of several), "
+            "each as soon as it is found."
+        )
+    return lines

@@ -22,6 +22,9 @@ class ErrorInfo:
     kind: str | None = None  # OpenAI's `type`, Google's `status`
     message: str | None = None
     retry_delay_s: float | None = None  # a wait the body states (Google's RetryInfo)
+    # Which limit a 429 says ran out, `requests` or `tokens`, where it says (a token 429
+    # tells the learned charge it was too low: app/limits/charge_learning.py).
+    limit: str | None = None
 
 
 class Provider:
@@ -65,7 +68,9 @@ class Provider:
         inner = body.get("error", body) if isinstance(body, dict) else None
         if not isinstance(inner, dict):
             return ErrorInfo()
-        return ErrorInfo(_text(inner.get("code")), _text(inner.get("type")), _text(inner.get("message")))
+        kind = _text(inner.get("type"))
+        limit = kind if kind in LIMITS else None
+        return ErrorInfo(_text(inner.get("code")), kind, _text(inner.get("message")), limit=limit)
 
     def wait_hint(self, headers: Mapping[str, str], info: ErrorInfo) -> float | None:
         """How long the reply asks us to wait: `retry-after-ms`, then `retry-after`."""
@@ -80,6 +85,7 @@ class Provider:
         return _named_parameter(info.message)
 
 
+LIMITS = ("requests", "tokens")
 _QUOTED = re.compile(r"['\"`]([A-Za-z_]+(?:\.[A-Za-z_]+)*)['\"`]")
 # What a 400 about an optional parameter says, across providers' wordings.
 _REFUSING = (

@@ -13,6 +13,7 @@ from app.upstream.providers.base import ErrorInfo, Provider
 from app.upstream.tokens import ImageBilling
 
 RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
+QUOTA_FAILURE = "type.googleapis.com/google.rpc.QuotaFailure"
 GEMINI_IMAGES = ImageBilling("gemini_tiles")
 
 
@@ -41,20 +42,35 @@ class Gemini(Provider):
         inner = body.get("error") if isinstance(body, dict) else None
         if not isinstance(inner, dict):
             return ErrorInfo()
-        delay = None
+        delay = limit = None
         for detail in inner.get("details") or ():
             if isinstance(detail, dict) and detail.get("@type") == RETRY_INFO:
                 delay = _duration(detail.get("retryDelay"))
+            if isinstance(detail, dict) and detail.get("@type") == QUOTA_FAILURE:
+                limit = _quota_limit(detail.get("violations"))
         status = inner.get("status")
         return ErrorInfo(
             str(status) if status is not None else None,
             str(status) if status is not None else None,
             str(inner.get("message")) if inner.get("message") is not None else None,
             delay,
+            limit,
         )
 
     def wait_hint(self, headers: Mapping[str, str], info: ErrorInfo) -> float | None:
         return info.retry_delay_s if info.retry_delay_s is not None else super().wait_hint(headers, info)
+
+
+def _quota_limit(violations: object) -> str | None:
+    """`tokens` or `requests`, by the quota metric a QuotaFailure names (an input-token
+    count, or a request count); None when it names neither."""
+    for violation in violations if isinstance(violations, list) else ():
+        metric = str(violation.get("quotaMetric", "")) if isinstance(violation, dict) else ""
+        if "token" in metric:
+            return "tokens"
+        if "request" in metric:
+            return "requests"
+    return None
 
 
 def _duration(value: object) -> float | None:
