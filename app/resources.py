@@ -36,6 +36,9 @@ from app.limits.admission import Admission
 from app.limits.charge_learning import KINDS, ChargeLearner
 from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
+from app.limits.late_timeouts import LateTimeouts
+from app.limits.loop_capacity import LoopCapacity
+from app.limits.loop_pacer import LoopPacer
 from app.limits.rate_budget import RateBudget
 from app.limits.retry import RetryPolicy
 from app.limits.route_limits import RouteLimit, RouteSizing
@@ -51,7 +54,7 @@ from app.limits.sizing import (
 from app.limits.stage_gate import StageGate
 from app.limits.user_quota import UserQuota, windows
 from app.runtime.box import BoxLimits, box_limits
-from app.runtime.loop_lag import probe_loop_lag
+from app.runtime.loop_lag import LoopLateness, probe_loop_lag
 from app.runtime.metrics import Metrics
 from app.runtime.redaction import redact_url
 from app.runtime.redis_link import RedisLink
@@ -132,7 +135,8 @@ async def lifespan_resources(
         pool = await _pool(settings, dsn, stack)
         taxonomy = await _catalogue(pool)
         redis = await _redis_link(settings, stack)
-        upstream, base_url, simulator = await _upstream(settings, metrics, clock, redis, stack, box)
+        lateness = LoopLateness()  # the loop-lag probe's, for timeouts that fire late
+        upstream, base_url, simulator = await _upstream(settings, metrics, clock, redis, stack, box, lateness)
         env = StageEnv(settings, pool, dsn, taxonomy, upstream, metrics, clock, stack)
         built = [await stage.start(env) for stage in stages]  # in order: each may load what it needs
         runner = StageRunner(built, metrics=metrics, clock=clock)
@@ -164,7 +168,7 @@ async def lifespan_resources(
         # the client and the simulator are still open.
         stack.push_async_callback(pipeline.cancel_all)
         _liveness(settings, redis, store, pipeline, streams, admission, metrics, stack)
-        _background(stack, probe_loop_lag(metrics), "loop-lag-probe")
+        _background(stack, probe_loop_lag(metrics, lateness=lateness), "loop-lag-probe")
         _bind_gauges(metrics, upstream.budgets, upstream.gates, cpu, upstream, admission, store)
         _bind_limit_gauges(metrics, sizing, upstream.gates)
         input_limits = _input_limits(settings)
@@ -180,6 +184,7 @@ async def lifespan_resources(
             metrics=metrics,
             idempotency_ttl_s=settings.idempotency_ttl_s,
             quota=_user_quota(settings, redis, metrics, stack),
+            pacer=_loop_pacer(settings, admission, metrics, stack),
         )
         drain = Drain(pipeline, drain_s=settings.shutdown_drain_s)
         metrics.shutting_down.set_function(lambda: float(drain.draining))
@@ -300,6 +305,7 @@ async def _upstream(
     redis: RedisLink | None,
     stack: AsyncExitStack,
     box: BoxLimits,
+    lateness: LoopLateness,
 ) -> tuple[Upstream, str, Any]:
     """Every model call's path: a route per deployment and stage (app/upstream/routes.py),
     one budget per limit group and model, one breaker and connection pool per deployment,
@@ -383,6 +389,9 @@ async def _upstream(
             settings.hedge_min_s,
             settings.hedge_max_s,
             HedgeBudget(settings.hedge_budget),
+        ),
+        late_timeouts=LateTimeouts(
+            lateness, lambda stage, cause: metrics.upstream_timeouts.labels(stage, cause).inc()
         ),
     )
     # The breakers' probes: the service's own requests, never a user's call.
@@ -634,6 +643,26 @@ def _admission(
         calls_per_scan=calls_per_scan,
         user_caps=user_caps,
     )
+
+
+def _loop_pacer(
+    settings: Settings, admission: Admission, metrics: Metrics, stack: AsyncExitStack
+) -> LoopPacer | None:
+    """New scans paced at the rate the event loop takes (None: LOOP_UTILISATION_TARGET=0)."""
+    if not settings.loop_utilisation_target:
+        return None
+    capacity = LoopCapacity(
+        target=settings.loop_utilisation_target,
+        admitted=lambda: admission.admitted,
+        on_change=lambda limit, reason: metrics.limit_changes.labels(limit, reason).inc(),
+    )
+    _background(stack, capacity.run(), "loop-capacity")
+    metrics.limit.labels("loop_rate").set_function(lambda: float(capacity.limit))
+    metrics.loop_utilisation.set_function(_reader(capacity, "utilisation"))
+    metrics.loop_cpu_share.set_function(_reader(capacity, "share"))
+    metrics.loop_cpu_per_scan.set_function(_reader(capacity, "cpu_per_scan_s"))
+    metrics.loop_saturated.set_function(lambda: float(capacity.saturated))
+    return LoopPacer(capacity)
 
 
 def _body_reader(settings: Settings, limits: InputLimits, metrics: Metrics) -> BodyReader:

@@ -98,6 +98,9 @@ class Settings:
     user_scan_rate_per_min: int = 0
     user_daily_scan_quota: int = 0
     admission_wait_s: float = 0.5
+    # New scans start at the rate that keeps the event loop's thread busy at most this share
+    # of the time (app/limits/loop_capacity.py); 0: no pacing by the loop's capacity.
+    loop_utilisation_target: float = 0.8
     max_budget_wait_s: float = 10.0
     scan_deadline_s: float = 60.0
     retry_max_attempts: int = 4
@@ -218,6 +221,10 @@ class Settings:
             raise SettingsError("DB_POOL_MIN must not exceed DB_POOL_MAX")
         if self.vision_detail not in ("low", "high", "auto"):
             raise SettingsError(f"VISION_DETAIL must be low, high or auto, got {self.vision_detail!r}")
+        if not 0 <= self.loop_utilisation_target <= 1:
+            raise SettingsError(
+                f"LOOP_UTILISATION_TARGET must be in [0, 1] (0: off), got {self.loop_utilisation_target}"
+            )
         if not 0 < self.rate_burst_fraction <= 1:
             raise SettingsError("RATE_BURST_FRACTION must be in (0, 1]")
         if not 1 <= self.image_jpeg_quality <= 95:
@@ -461,6 +468,7 @@ _MAY_BE_ZERO = {
     "charge_margin",
     "user_scan_rate_per_min",
     "user_daily_scan_quota",
+    "loop_utilisation_target",
 }
 
 

@@ -237,6 +237,10 @@ def settings_for(database_url: str, sim: RunningSimulator, **overrides: Any) -> 
         "log_level": "WARNING",
         # A disconnect cancels at once (the grace has tests of its own, in test_resources.py).
         "disconnect_grace_s": 0.0,
+        # No pacing by the loop's utilisation (tests of its own in test_loop_capacity.py): the
+        # test's one loop runs the service, its replicas, the simulator and the client at once
+        # on a shared box, and would be "saturated" for reasons no deployment has.
+        "loop_utilisation_target": 0.0,
     }
     values.update(overrides)
     return Settings(**values)

@@ -17,6 +17,11 @@ The caller's scan rate and quota (app/limits/user_quota.py, when set): a scan wi
 one with a key reserves right before admission, once it is known not to repeat an earlier
 scan (a retry is answered even at the quota). Any later refusal gives the place back: only
 a scan that starts uses it.
+
+The event loop's capacity (app/limits/loop_pacer.py, when LOOP_UTILISATION_TARGET is set):
+right after the rate and quota, before the body is read, the scan waits for its turn at
+the rate the loop can take, or is refused SERVER_BUSY; what the refusal cost the loop is
+measured and counted apart from what scans cost it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from app.intake.identity import Authenticator, Caller
 from app.intake.parsing import InputLimits, check_content_encoding, parse_scan_body, request_kind
 from app.limits.admission import Admission, Ticket
 from app.limits.cpu_lane import CpuLane
+from app.limits.loop_pacer import LoopBusy, LoopPacer
 from app.limits.user_quota import Reservation, UserQuota
 from app.runtime.metrics import Metrics
 from app.scans.pipeline import ScanPipeline
@@ -92,9 +98,11 @@ class ScanAcceptance:
         metrics: Metrics,
         idempotency_ttl_s: float,
         quota: UserQuota | None = None,
+        pacer: LoopPacer | None = None,
     ) -> None:
         self._identity = identity
         self._quota = quota
+        self._pacer = pacer
         self._claims: dict[tuple[str, str], asyncio.Future[tuple[uuid.UUID, str]]] = {}
         self._idempotency_ttl_s = idempotency_ttl_s
         self._admission = admission
@@ -107,6 +115,7 @@ class ScanAcceptance:
 
     async def accept(self, request: Request) -> NewScan | RepeatedScan:
         received_at = time.perf_counter()
+        cpu_at = time.thread_time()
         if not self._pipeline.accepting:
             raise ServerShuttingDown(retry_after_s=SHUTTING_DOWN_RETRY_AFTER_S)
         content_type = request.headers.get("content-type", "")
@@ -116,6 +125,7 @@ class ScanAcceptance:
         key = _idempotency_key(request)
         reservation = None if key else await self._reserve(caller)
         try:
+            await self._paced(cpu_at)
             return await self._read_and_start(request, caller, key, content_type, received_at, reservation)
         except BaseException:
             if reservation is not None:
@@ -221,6 +231,20 @@ class ScanAcceptance:
     async def _reserve(self, caller: Caller) -> Reservation | None:
         """The scan's place in the caller's rate and quota (None when neither is set)."""
         return await self._quota.reserve(caller.rate_key) if self._quota is not None else None
+
+    async def _paced(self, cpu_at: float) -> None:
+        """This scan's turn at the rate the loop can take (app/limits/loop_pacer.py)."""
+        if self._pacer is None:
+            return
+        try:
+            await self._pacer.enter()
+        except LoopBusy as busy:
+            cpu_s = time.thread_time() - cpu_at
+            self._pacer.capacity.refused(cpu_s)
+            self._metrics.loop_shed.labels(busy.reason).inc()
+            self._metrics.loop_shed_cpu.inc(cpu_s)
+            self._metrics.admission_rejected.labels(busy.code).inc()
+            raise
 
     async def _taken(self, claim: IdempotencyClaim) -> KeyTaken | None:
         try:

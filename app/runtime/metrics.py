@@ -70,6 +70,7 @@ class Metrics:
         self._declare_cpu_lane_and_loop_metrics()
         self._declare_admission_and_lifecycle_metrics()
         self._declare_cache_metrics()
+        self._declare_loop_capacity_metrics()
 
     def _declare_process_collectors(self) -> None:
         """The library's process, platform and GC collectors."""
@@ -356,14 +357,14 @@ class Metrics:
         self.limit = Gauge(
             "ecoscan_limit",
             "Each limit in force now: vision_gate, answer_gate (calls in progress), admission (scans in"
-            " flight), cpu_queue (CPU-lane jobs waiting).",
+            " flight), cpu_queue (CPU-lane jobs waiting), loop_rate (scans a second the event loop takes).",
             ["limit"],
             registry=r,
         )
         self.limit_changes = Counter(
             "ecoscan_limit_changes_total",
             "Moves of an automatic limit, by why: grow, steady, little, gradient, backoff, floor, ceiling;"
-            " routes (a gate whose deployments came or went).",
+            " routes (a gate whose deployments came or went); loop_rate: cpu, saturated, floor.",
             ["limit", "reason"],
             registry=r,
         )
@@ -508,6 +509,52 @@ class Metrics:
         self.rules_listener_up = Gauge(
             "ecoscan_rules_listener_up",
             "1 while the rule cache's LISTEN connection is up; 0 while it reconnects (short cache TTL).",
+            registry=r,
+        )
+
+    def _declare_loop_capacity_metrics(self) -> None:
+        """The event loop's capacity and the arrivals it shed (app/limits/loop_capacity.py,
+        app/limits/loop_pacer.py), and the upstream timeouts our own lateness caused
+        (app/limits/late_timeouts.py)."""
+        r = self.registry
+        self.loop_utilisation = Gauge(
+            "ecoscan_loop_utilisation",
+            "Share of wall time the event loop's thread wanted the CPU (running or waiting for a core).",
+            registry=r,
+        )
+        self.loop_cpu_share = Gauge(
+            "ecoscan_loop_cpu_share",
+            "Of the time the event loop's thread wanted the CPU, the share it got.",
+            registry=r,
+        )
+        self.loop_cpu_per_scan = Gauge(
+            "ecoscan_loop_cpu_per_scan_seconds",
+            "The event loop's CPU time per admitted scan (running mean).",
+            registry=r,
+        )
+        self.loop_saturated = Gauge(
+            "ecoscan_loop_saturated",
+            "1 while the event loop is at or over LOOP_UTILISATION_TARGET (until 0.1 under it).",
+            registry=r,
+        )
+        self.loop_shed = Counter(
+            "ecoscan_loop_shed_total",
+            "Scans refused SERVER_BUSY before their body was read, by why: saturated (the loop is over"
+            " its target) or wave (more arrived at once than the pacer's queue holds at the rate).",
+            ["reason"],
+            registry=r,
+        )
+        self.loop_shed_cpu = Counter(
+            "ecoscan_loop_shed_cpu_seconds_total",
+            "The event loop's CPU time spent accepting the scans it then shed (the HTTP parse and the"
+            " 503's write not included).",
+            registry=r,
+        )
+        self.upstream_timeouts = Counter(
+            "ecoscan_upstream_timeouts_total",
+            "Connect and first-byte timeouts of upstream calls, by cause: upstream (counted against"
+            " the deployment) or loop_late (our loop was late; retried at once, not counted).",
+            ["stage", "cause"],
             registry=r,
         )
 

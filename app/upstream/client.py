@@ -38,6 +38,7 @@ from app.errors import (
     UpstreamUnavailable,
 )
 from app.limits.clock import Clock
+from app.limits.late_timeouts import LOOP_LATE, LateTimeouts
 from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservation
 from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
@@ -94,6 +95,9 @@ OVERLOAD_REASONS = frozenset({"429", "5xx", "timeout"})
 # Replies that broke on the way (a cut stream, a body that is not JSON): the deployment's
 # failure, where a refusal, a filter or a token cap is an answer.
 BROKEN_REPLIES = frozenset({"truncated", "bad_body", "bad_chunk", "stream_error"})
+# Failures that spend none of the call's attempts: sent again without what was refused, or
+# timed out while our own loop was late (app/limits/late_timeouts.py).
+UNCOUNTED = frozenset({"negotiated", LOOP_LATE})
 
 # Reads a streamed reply's bytes into the result; returns its usage, if it came.
 ReadStream = Callable[[AsyncIterator[bytes], Pause, ChatResult], Awaitable[Usage | None]]
@@ -111,11 +115,13 @@ class Upstream:
         negotiation_wait_s: float = NEGOTIATION_WAIT_S,
         ride_out_s: float = RIDE_OUT_S,
         hedging: HedgePolicy | None = None,
+        late_timeouts: LateTimeouts | None = None,
     ) -> None:
         self.router = router
         self._hedging = hedging  # None: calls are never hedged
         self._negotiation_wait_s = negotiation_wait_s
         self._ride_out_s = ride_out_s
+        self._late_timeouts = late_timeouts
         self.gates = gates
         self._retry = retry
         self._metrics = metrics
@@ -223,7 +229,7 @@ class Upstream:
                 failed_on.setdefault(route.name, failed.reason)
                 self._metrics.upstream_failovers.labels(request.stage, REROUTED).inc()
                 continue
-            if failed.reason != "negotiated":
+            if failed.reason not in UNCOUNTED:
                 failures += 1
                 failed_on[route.name] = failed.reason
             shown = bool(result.text)
@@ -360,8 +366,8 @@ class Upstream:
         """Raise when this was the last attempt; otherwise wait as long as the next one must
         and say where it goes (None: wherever the router picks). `NoRoute` when every
         deployment of the stage is down and one may come back."""
-        if failed.reason == "negotiated":  # the same route again, without what it refused
-            return route
+        if failed.reason == "negotiated" or (failed.reason == LOOP_LATE and deadline > self._clock.now()):
+            return route  # the same route again, at once: without what it refused, or on time
         left = deadline - self._clock.now()
         if not failed.retry or left <= 0:
             self._give_up(request, failed, failures)
@@ -450,8 +456,9 @@ class Upstream:
                     breaker.succeeded(self._clock.now(), sent_at)
                     overloaded = False
                 except AttemptFailed as failed:
-                    overloaded = failed.reason in OVERLOAD_REASONS
-                    if breaker.verdicts == verdicts:  # the reply's fault, not told to the breaker yet
+                    # Our lateness says nothing of the deployment: no verdict, no latency sample.
+                    overloaded = None if failed.reason == LOOP_LATE else failed.reason in OVERLOAD_REASONS
+                    if breaker.verdicts == verdicts and overloaded is not None:  # not told the breaker yet
                         if failed.reason in BROKEN_REPLIES:
                             breaker.failed(self._clock.now(), failed.reason, sent_at=sent_at)
                         else:  # it answered (a refusal, a filter, a cap, a 400): it is up
@@ -620,6 +627,8 @@ class Upstream:
         if never_sent and not result.text:
             reservation.settle(None)
         timeout = isinstance(exc, TimeoutError)
+        if timeout and not result.text and self._late_timeouts and self._late_timeouts.ours(call.stage):
+            return AttemptFailed(UpstreamTimeout(), retry=True, reason=LOOP_LATE)
         route.breaker.failed(self._clock.now(), "timeout" if timeout else "connection", sent_at=sent_at)
         if timeout:
             return AttemptFailed(UpstreamTimeout(), retry=True, reason="timeout")

@@ -1,0 +1,187 @@
+"""Admission that knows the event loop's capacity: the utilisation signal and the rate it
+gives (as a unit, fed readings), the pacer's bounded queue, and over real HTTP a service
+whose loop a test-only burner keeps busy: it sheds new scans with SERVER_BUSY before their
+body is read while the scans it accepted complete."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.limits.loop_capacity import MIN_RATE, PRIOR_CPU_PER_SCAN_S, SAMPLE_INTERVAL_S, LoopCapacity
+from app.limits.loop_pacer import BURST_S, QUEUE_S, SATURATED, WAVE, LoopBusy, LoopPacer
+from app.sim.server import RunningSimulator
+
+from .conftest import Service, data_url, make_jpeg, run_scan, running_service, settings_for
+
+# How long the loop-capacity signal may take to follow the burner: it samples twice a second.
+FOLLOW_WITHIN_S = 30.0
+
+
+class Loop:
+    """Readings of a loop thread, fed to a `LoopCapacity` every `SAMPLE_INTERVAL_S`."""
+
+    def __init__(self, target: float = 0.8) -> None:
+        self.capacity = LoopCapacity(target=target, admitted=lambda: 0)
+        self.now = self.cpu = self.wait = 0.0
+        self.admitted = 0
+        self.capacity.sample(0.0, 0.0, 0.0, 0)
+
+    def run(
+        self, seconds: float, *, busy: float, waiting: float = 0.0, scans_per_s: int = 0, refused: float = 0.0
+    ) -> LoopCapacity:
+        """`seconds` of a loop running `busy` and waiting for a core `waiting` of the time,
+        admitting `scans_per_s`, spending `refused` of each second's CPU on refusals."""
+        for _ in range(round(seconds / SAMPLE_INTERVAL_S)):
+            self.now += SAMPLE_INTERVAL_S
+            self.cpu += busy * SAMPLE_INTERVAL_S
+            self.wait += waiting * SAMPLE_INTERVAL_S
+            self.admitted += round(scans_per_s * SAMPLE_INTERVAL_S)
+            self.capacity.refused(refused * SAMPLE_INTERVAL_S)
+            self.capacity.sample(self.now, self.cpu, self.wait, self.admitted)
+        return self.capacity
+
+
+def test_utilisation_counts_the_wait_for_a_core_and_share_is_what_the_loop_got() -> None:
+    cap = Loop().run(20, busy=0.3, waiting=0.6)  # 30 % CPU, yet busy 90 % of the time
+    assert cap.utilisation == pytest.approx(0.9, rel=0.01)
+    assert cap.share == pytest.approx(1 / 3)
+    assert cap.saturated
+
+
+def test_a_short_stall_is_not_a_saturation() -> None:
+    loop = Loop()
+    loop.run(10, busy=0.3)
+    assert not loop.run(0.5, busy=1.0).saturated  # a GC pause, say
+
+
+def test_saturation_has_hysteresis() -> None:
+    loop = Loop(0.8)
+    assert loop.run(20, busy=0.85).saturated
+    assert loop.run(20, busy=0.75).saturated  # under the target, not 0.1 under it
+    assert not loop.run(20, busy=0.65).saturated
+    assert not loop.run(20, busy=0.75).saturated  # back up, not to the target
+
+
+def test_the_rate_adds_what_the_headroom_takes_at_the_measured_cpu_per_scan() -> None:
+    loop = Loop(0.8)
+    assert loop.capacity.rate == pytest.approx(0.8 / PRIOR_CPU_PER_SCAN_S)
+    cap = loop.run(300, busy=0.4, scans_per_s=100)  # 4 ms a scan: the loop 40 % busy
+    assert cap.cpu_per_scan_s == pytest.approx(0.004, rel=0.01)
+    # 100 a second now, and 0.4 of a second's CPU left under the target at 4 ms each.
+    assert cap.rate == pytest.approx(100 + 0.4 / 0.004, rel=0.02)
+    assert cap.reason == "cpu"
+
+
+def test_what_refusals_cost_is_not_charged_to_the_scans() -> None:
+    cap = Loop(0.8).run(300, busy=0.4, scans_per_s=100, refused=0.2)
+    assert cap.cpu_per_scan_s == pytest.approx(0.002, rel=0.01)
+
+
+def test_a_saturated_loop_aims_under_its_target_and_slows_admission_gradually() -> None:
+    loop = Loop(0.8)
+    loop.run(300, busy=0.6, scans_per_s=20)  # 30 ms a scan
+    cap = loop.run(10, busy=0.9, scans_per_s=20)  # something else takes the loop as well
+    assert cap.saturated and cap.reason == "saturated"
+    assert cap.rate == pytest.approx(cap.scans_per_s + (0.7 - cap.utilisation) / cap.cpu_per_scan_s)
+    assert 10 < cap.rate < 20  # fewer than lately, not none: the scans admitted still run
+
+
+def test_a_loop_busy_without_scans_admits_at_the_floor() -> None:
+    cap = Loop(0.8).run(20, busy=0.95)
+    assert cap.saturated and cap.rate == MIN_RATE and cap.reason == "floor"
+
+
+async def test_a_wave_starts_at_the_rate_and_what_the_queue_cannot_hold_is_refused_at_once() -> None:
+    cap = Loop().capacity
+    cap.rate = 10.0  # scans a second
+    pacer = LoopPacer(cap)
+    started: list[float] = []
+    refused: list[LoopBusy] = []
+
+    async def arrive() -> None:
+        try:
+            await pacer.enter()
+        except LoopBusy as busy:
+            refused.append(busy)
+        else:
+            started.append(time.monotonic())
+
+    began = time.monotonic()
+    await asyncio.gather(*(arrive() for _ in range(40)))
+    # One burst's worth at once, then one every 0.1 s for at most QUEUE_S: about 12.
+    assert 10 <= len(started) <= 13, len(started)
+    assert len(refused) == 40 - len(started)
+    assert all(busy.reason == WAVE for busy in refused)
+    # Told to come back in turns at the rate, after the queue: a ramp again.
+    assert sorted(busy.retry_after_s for busy in refused) == [
+        math.ceil(QUEUE_S + BURST_S + (n + 1) / 10) for n in range(len(refused))
+    ]
+    assert max(started) - began >= 0.8 * QUEUE_S  # a ramp, not all at once
+    assert pacer.waiting == 0
+
+
+@contextlib.asynccontextmanager
+async def burning_loop(busy_share: float = 0.9, period_s: float = 0.1) -> AsyncIterator[None]:
+    """A test-only CPU burner on the running loop: it spins `busy_share` of every period, so
+    the loop's utilisation is known whatever else the box runs (a wait for a core counts)."""
+    stop = asyncio.Event()
+
+    async def burn() -> None:
+        while not stop.is_set():
+            end = time.perf_counter() + busy_share * period_s
+            while time.perf_counter() < end:
+                pass
+            await asyncio.sleep((1 - busy_share) * period_s)
+
+    task = asyncio.create_task(burn())
+    try:
+        yield
+    finally:
+        stop.set()
+        await task
+
+
+async def until(svc: Service, metric: str, value: float, labels: dict[str, str] | None = None) -> None:
+    deadline = time.monotonic() + FOLLOW_WITHIN_S
+    while svc.metric(metric, labels) != value:
+        assert time.monotonic() < deadline, f"{metric} is {svc.metric(metric, labels)}, not {value}"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    photos = [data_url(make_jpeg(seed, (320, 240))) for seed in range(12)]
+    async with running_service(settings_for(database_url, sim, loop_utilisation_target=0.8)) as svc:
+        async with burning_loop():
+            await until(svc, "ecoscan_loop_saturated", 1.0)
+            await until(svc, "ecoscan_limit", MIN_RATE, {"limit": "loop_rate"})
+            assert svc.metric("ecoscan_loop_utilisation") >= 0.8
+            outcomes = await asyncio.gather(
+                *(
+                    run_scan(svc.client, json={"image_url": photo}, headers={"X-User-ID": f"u{n}"})
+                    for n, photo in enumerate(photos)
+                )
+            )
+        accepted = [o for o in outcomes if o.status == 200]
+        shed = [o for o in outcomes if o.status != 200]
+        assert accepted, "the floor rate still lets scans in"
+        assert all(o.terminal.event == "done" for o in accepted), [o.terminal for o in accepted]
+        assert shed, "a saturated loop sheds new scans"
+        for o in shed:
+            assert o.status == 503 and o.body["code"] == "SERVER_BUSY", o.body
+            assert int(o.headers["retry-after"]) >= 1
+        assert svc.metric("ecoscan_loop_shed_total", {"reason": SATURATED}) == len(shed)
+        assert svc.metric("ecoscan_admission_rejected_total", {"reason": "SERVER_BUSY"}) == len(shed)
+        assert svc.metric("ecoscan_loop_shed_cpu_seconds_total") > 0
+        assert svc.metric("ecoscan_limit_changes_total", {"limit": "loop_rate", "reason": "floor"}) >= 1
+        # Burner off: the loop comes back under its target, and new scans start again.
+        await until(svc, "ecoscan_loop_saturated", 0.0)
+        outcome = await run_scan(svc.client, json={"image_url": photos[0]}, headers={"X-User-ID": "after"})
+        assert outcome.status == 200 and outcome.terminal.event == "done"
