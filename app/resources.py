@@ -648,7 +648,8 @@ def _admission(
 def _loop_pacer(
     settings: Settings, admission: Admission, metrics: Metrics, stack: AsyncExitStack
 ) -> LoopPacer | None:
-    """New scans paced at the rate the event loop takes (None: LOOP_UTILISATION_TARGET=0)."""
+    """The loop's capacity measured (not with LOOP_UTILISATION_TARGET=0), and new scans paced
+    at the rate it takes with LOOP_PACING (else None)."""
     if not settings.loop_utilisation_target:
         return None
     capacity = LoopCapacity(
@@ -657,11 +658,13 @@ def _loop_pacer(
         on_change=lambda limit, reason: metrics.limit_changes.labels(limit, reason).inc(),
     )
     _background(stack, capacity.run(), "loop-capacity")
-    metrics.limit.labels("loop_rate").set_function(lambda: float(capacity.limit))
     metrics.loop_utilisation.set_function(_reader(capacity, "utilisation"))
     metrics.loop_cpu_share.set_function(_reader(capacity, "share"))
     metrics.loop_cpu_per_scan.set_function(_reader(capacity, "cpu_per_scan_s"))
     metrics.loop_saturated.set_function(lambda: float(capacity.saturated))
+    if not settings.loop_pacing:
+        return None
+    metrics.limit.labels("loop_rate").set_function(lambda: float(capacity.limit))
     return LoopPacer(capacity)
 
 

@@ -98,9 +98,12 @@ class Settings:
     user_scan_rate_per_min: int = 0
     user_daily_scan_quota: int = 0
     admission_wait_s: float = 0.5
-    # New scans start at the rate that keeps the event loop's thread busy at most this share
-    # of the time (app/limits/loop_capacity.py); 0: no pacing by the loop's capacity.
+    # The share of the time the event loop's thread may be busy (app/limits/loop_capacity.py):
+    # measured against it always (0: not measured), new scans paced to it with LOOP_PACING.
     loop_utilisation_target: float = 0.8
+    # Off by default: on this 2-core box the pacer held the loop under 0.25 s of lag but
+    # completed a quarter of the scans (docs/benchmarks.md); refusals must get cheaper first.
+    loop_pacing: bool = False
     max_budget_wait_s: float = 10.0
     scan_deadline_s: float = 60.0
     retry_max_attempts: int = 4

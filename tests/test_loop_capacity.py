@@ -158,7 +158,9 @@ async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
     database_url: str, sim: RunningSimulator
 ) -> None:
     photos = [data_url(make_jpeg(seed, (320, 240))) for seed in range(12)]
-    async with running_service(settings_for(database_url, sim, loop_utilisation_target=0.8)) as svc:
+    async with running_service(
+        settings_for(database_url, sim, loop_utilisation_target=0.8, loop_pacing=True)
+    ) as svc:
         async with burning_loop():
             await until(svc, "ecoscan_loop_saturated", 1.0)
             await until(svc, "ecoscan_limit", MIN_RATE, {"limit": "loop_rate"})
