@@ -85,6 +85,24 @@ async def test_with_both_failing_the_first_attempts_failure_is_raised() -> None:
         await race(failing("first", 0.05), lambda: failing("hedge", 0.0), after_s=0.01)
 
 
+async def test_a_winner_that_fails_right_after_its_head_raises_its_own_failure() -> None:
+    """From review: the hedge claims the head and fails in the same step (a refusal in a
+    body that came with the headers); its failure is what the call raises, not a crash."""
+
+    async def late() -> None:
+        sending()
+        await asyncio.sleep(0.5)
+        assert not claim()
+
+    async def filtered() -> None:
+        await asyncio.sleep(0.01)
+        assert claim()
+        raise ValueError("content_filter")
+
+    with pytest.raises(ValueError, match="content_filter"):
+        await race(late(), filtered, after_s=0.05)
+
+
 async def test_one_deployment_holding_every_reply_scans_end_normally_within_the_hedge_budget(
     database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

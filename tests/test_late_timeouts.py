@@ -95,3 +95,28 @@ def test_lateness_is_the_pending_probe_overdue_or_the_lag_just_measured() -> Non
     assert lateness.now(11.1) == 1.0  # the stall just ended: a timeout firing now fired late
     lateness.waiting_until(11.16)
     assert lateness.now(11.2) == pytest.approx(0.04)  # a while later, only what is overdue now counts
+
+
+async def test_only_one_late_timeout_a_call_is_forgiven(database_url: str, sim: RunningSimulator) -> None:
+    """From review: a loop that stays late must not resend a call to a silent deployment
+    until its deadline with its breaker never told. The second late timeout of one call
+    is the provider's: with one attempt, the scan ends UPSTREAM_TIMEOUT."""
+    settings = settings_for(
+        database_url, sim, openai_read_timeout_s=READ_TIMEOUT_S, retry_max_attempts=1, vision_timeout_s=30.0
+    )
+    await sim_configure(sim, time_scale=1.0, vision_median_s=VISION_S, text_median_s=0.2)
+    async with running_service(settings) as svc:
+        sent_before = sim.state.stats.by_kind["vision"]
+        scan = asyncio.create_task(
+            run_scan(svc.client, json={"image_url": data_url(make_jpeg(9, (320, 240)))})
+        )
+        for sent in (1, 2):  # the first attempt, then the one sent again at once: each held
+            deadline = time.monotonic() + SENT_WITHIN_S
+            while sim.state.stats.by_kind["vision"] < sent_before + sent or sim.state.stats.inflight == 0:
+                assert time.monotonic() < deadline, f"attempt {sent} never reached the simulator"
+                await asyncio.sleep(0.001)
+            burn(BURN_S)
+        outcome = await scan
+        assert outcome.terminal.event == "error", outcome.terminal
+        assert outcome.terminal.data["code"] == "UPSTREAM_TIMEOUT"
+        assert timeouts(svc, LOOP_LATE) == 1

@@ -24,6 +24,10 @@ from app.runtime.loop_lag import LoopLateness
 
 # A loop this late (seconds) when a timeout fires has held that timeout's callbacks too.
 LATE_S = 0.25
+# Forgiven timeouts per call: one. A loop that stays late (a saturated box) would otherwise
+# resend a call to a deployment that really is silent until its deadline, its breaker never
+# told; the second timeout counts as the provider's whatever the loop's lateness.
+MAX_FORGIVEN = 1
 # The causes a timeout is counted under.
 LOOP_LATE = "loop_late"
 UPSTREAM = "upstream"

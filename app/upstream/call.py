@@ -71,6 +71,7 @@ class ChatResult:
     queue_s: float = 0.0  # waiting for the stage gate and the budget, all attempts
     service_s: float = 0.0  # talking to the upstream, all attempts
     upstream: str | None = None  # the deployment that served it
+    late_timeouts: int = 0  # timeouts forgiven because our loop was late (at most one)
 
 
 # A reply's usage: prompt, completion (reasoning included), reasoning, cached tokens.

@@ -38,7 +38,7 @@ from app.errors import (
     UpstreamUnavailable,
 )
 from app.limits.clock import Clock
-from app.limits.late_timeouts import LOOP_LATE, LateTimeouts
+from app.limits.late_timeouts import LOOP_LATE, MAX_FORGIVEN, LateTimeouts
 from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservation
 from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
@@ -287,6 +287,10 @@ class Upstream:
         except AttemptFailed as failed:
             if failed.reason == "timeout":  # no first byte at all: late
                 route.first_byte.mark(late=True, now=self._clock.now())
+            if hedge_result.text and not result.text:
+                # The hedge streamed text to the consumer before it failed: the next attempt
+                # must void it (on_restart: a `discard`), as after the first attempt's own.
+                result.text = hedge_result.text
             raise
         if not hedged_on:
             return route
@@ -627,7 +631,9 @@ class Upstream:
         if never_sent and not result.text:
             reservation.settle(None)
         timeout = isinstance(exc, TimeoutError)
-        if timeout and not result.text and self._late_timeouts and self._late_timeouts.ours(call.stage):
+        forgivable = timeout and not result.text and result.late_timeouts < MAX_FORGIVEN
+        if forgivable and self._late_timeouts and self._late_timeouts.ours(call.stage):
+            result.late_timeouts += 1
             return AttemptFailed(UpstreamTimeout(), retry=True, reason=LOOP_LATE)
         route.breaker.failed(self._clock.now(), "timeout" if timeout else "connection", sent_at=sent_at)
         if timeout:

@@ -211,6 +211,8 @@ async def race(first: Awaitable[None], hedge: Callable[[], Awaitable[None] | Non
                 failures[entry] = failure
         if not contest.winner:
             raise failures.get(1) or failures[2]
+        if contest.winner in failures:  # it claimed the head and failed in the same step
+            raise failures[contest.winner]
         for task, entry in list(tasks.items()):
             if entry != contest.winner:
                 task.cancel()

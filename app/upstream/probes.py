@@ -87,6 +87,7 @@ class Prober:
         self._timeout_s = timeout_s
         self._kick = asyncio.Event()
         self._probes: dict[Breaker, asyncio.Task[None]] = {}
+        self._skipped_until: dict[Breaker, float] = {}  # no probe before then: its budget was full
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -108,6 +109,10 @@ class Prober:
             for breaker, route in self._routes.items():
                 breaker.watch_open(self._kick.set)  # once per opening: set again each look
                 if breaker.state == CLOSED or breaker in self._probes:
+                    continue
+                skipped_until = self._skipped_until.get(breaker, 0.0)
+                if skipped_until > now:  # its budget had no room for the last probe
+                    pause = min(pause, skipped_until - now)
                     continue
                 if breaker.would_probe(now):
                     task = asyncio.create_task(self._probe(route), name=f"probe-{route.name}")
@@ -146,6 +151,12 @@ class Prober:
         finally:
             # No verdict (cancelled, skipped for the budget): the next round probes again.
             breaker.released(probe)
+        if outcome == "skipped":
+            # The budget refuses at once when its predicted wait is too long: without a pause
+            # the next round would ask again at once, and again (a busy loop on the loop).
+            self._skipped_until[breaker] = self._clock.now() + PROBE_BUDGET_WAIT_S
+        else:
+            self._skipped_until.pop(breaker, None)
         self._metrics.upstream_probes.labels(route.name, outcome).inc()
 
     async def _ask(self, route: Route) -> str:
@@ -155,7 +166,7 @@ class Prober:
         tokens = route.provider.limiter_tokens(prompt, 1)
         try:
             reservation = await budget.reserve(tokens, deadline=self._clock.now() + PROBE_BUDGET_WAIT_S)
-        except BudgetDeadlineExceeded:  # no room: the next round (paced by this wait) tries again
+        except BudgetDeadlineExceeded:  # no room now: the next try is PROBE_BUDGET_WAIT_S away (_probe)
             return "skipped"
         body = route.adapt({"model": route.model, "messages": PROBE_MESSAGES, route.shape.token_param: 1})
         sent_at = self._clock.now()

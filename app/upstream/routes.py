@@ -43,6 +43,11 @@ from app.upstream.profiles import CallShape
 from app.upstream.providers.base import Provider
 from app.upstream.tokens import ImageBilling, estimate_chat_tokens
 
+# Prompt-cache affinity picks the deployment that served a prefix last only while the share
+# of its limit in use is at most this many times the balanced pick's: "otherwise equal"
+# give or take a call, never a deployment whose limit fell because it slowed down.
+AFFINITY_SLACK = 1.25
+
 
 @dataclass(eq=False)
 class Route:
@@ -246,9 +251,14 @@ class Router:
                 return level[0]
             roomy = [r for r in level if r.limit.has_room]
             if roomy and wait(chosen := sooner(roomy)) <= horizon_s:
-                # Where the prompt's prefix is cached, when it takes the call as soon.
+                # Where the prompt's prefix is cached, when it takes the call as soon and is
+                # about as loaded (AFFINITY_SLACK): the cache never outweighs the balance, so
+                # a deployment that slows down (its limit falls) still loses calls.
                 cached = next((r for r in roomy if r.name == home), None)
-                return cached if cached is not None and wait(cached) <= wait(chosen) else chosen
+                if cached is None or wait(cached) > wait(chosen):
+                    return chosen
+                load = cached.limit.load_with_one_more
+                return cached if load <= chosen.limit.load_with_one_more * AFFINITY_SLACK else chosen
             chosen = sooner(level)
             if wait(chosen) <= horizon_s:
                 return chosen
