@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from app.limits.charge_learning import RELAX_S, ChargeLearner, ChargeLearning, Sent, counted_plus
+from app.limits.charge_learning import BURST_S, RELAX_S, ChargeLearner, ChargeLearning, Sent, counted_plus
 from app.limits.clock import FakeClock
 from app.limits.rate_budget import RateBudget
 
@@ -134,6 +134,17 @@ def test_a_429_pulls_the_ratio_up_at_once_and_forgets_the_readings() -> None:
     learner.rate_limited("text", 100.0, reserved=1_000)
     assert learner.ratio("text") == pytest.approx(before * 1.15)
     assert learner.ratio("image") == pytest.approx(0.6, rel=0.02)  # only its kind
+
+
+def test_a_burst_of_429s_is_one_step_not_one_each() -> None:
+    """From review: 20 calls in flight meet one full window together; their 429s must not
+    take the ratio to its cap (a quarter of the limit for minutes)."""
+    learner = ChargeLearner(ChargeLearning(step=0.15))
+    for n in range(20):
+        learner.rate_limited("text", 100.0 + n * 0.01, reserved=1_000)
+    assert learner.ratio("text") == pytest.approx(1.15)
+    learner.rate_limited("text", 100.19 + BURST_S, reserved=1_000)  # a later burst: one more
+    assert learner.ratio("text") == pytest.approx(1.15**2)
 
 
 def test_without_headers_429s_raise_the_ratio_by_what_was_missing_and_it_relaxes_back() -> None:

@@ -61,6 +61,8 @@ PRIOR_WEIGHT = 0.05
 KEEP_READINGS = 512
 # Without headers: how long without a 429 before the ratio relaxes one step towards 1.
 RELAX_S = 30.0
+# 429s this close to the last one are of the same burst: the ratio steps up once for them.
+BURST_S = 1.0
 
 Counted = tuple[float, float]  # running sums of estimates sent, text and image
 
@@ -224,7 +226,13 @@ class ChargeLearner:
         step where no headers come (with headers, the readings take over from here)."""
         if not self.config.enabled:
             return
+        # A burst of calls in flight meets one full window together: its 429s are one
+        # lesson, not one step each (20 of them would otherwise take the ratio to its cap
+        # and the budget to a quarter of the limit for minutes).
+        burst = now - self._last_429 < BURST_S
         self._last_429 = self._relaxed_at = now
+        if burst:
+            return
         i = _index(kind)
         value = self._ratios[i]
         target = value * (1.0 + self.config.step)
