@@ -94,7 +94,7 @@ async def test_pick_prefers_where_the_prefix_went_only_when_it_takes_the_call_as
     assert router.pick("vision", tokens, prefix=key) is b  # the least loaded; remembered
     hold(b, 1)  # as loaded as a: the balance has no preference, the cache decides
     assert router.pick("vision", tokens, prefix=key) is b
-    hold(b, 1)  # b now holds more than a (3/4 against 2/4): the balance wins
+    hold(b, 2)  # b now holds two calls more than a (4/4 against 2/4): the balance wins
     assert router.pick("vision", tokens, prefix=key) is a
     assert router.pick("vision", tokens, prefix=key) is a  # and a is now its home
 

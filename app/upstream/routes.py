@@ -44,9 +44,9 @@ from app.upstream.providers.base import Provider
 from app.upstream.tokens import ImageBilling, estimate_chat_tokens
 
 # Prompt-cache affinity picks the deployment that served a prefix last only while the share
-# of its limit in use is at most this many times the balanced pick's: "otherwise equal"
-# give or take a call, never a deployment whose limit fell because it slowed down.
-AFFINITY_SLACK = 1.25
+# of its limit in use exceeds the balanced pick's by at most this many of that one's calls:
+# "otherwise equal" give or take a call, never a deployment whose limit fell as it slowed.
+AFFINITY_SLACK_CALLS = 1
 
 
 @dataclass(eq=False)
@@ -252,13 +252,14 @@ class Router:
             roomy = [r for r in level if r.limit.has_room]
             if roomy and wait(chosen := sooner(roomy)) <= horizon_s:
                 # Where the prompt's prefix is cached, when it takes the call as soon and is
-                # about as loaded (AFFINITY_SLACK): the cache never outweighs the balance, so
-                # a deployment that slows down (its limit falls) still loses calls.
+                # about as loaded (AFFINITY_SLACK_CALLS): the cache never outweighs the
+                # balance, so a deployment that slows down (its limit falls) loses calls.
                 cached = next((r for r in roomy if r.name == home), None)
                 if cached is None or wait(cached) > wait(chosen):
                     return chosen
+                slack = AFFINITY_SLACK_CALLS / chosen.limit.size
                 load = cached.limit.load_with_one_more
-                return cached if load <= chosen.limit.load_with_one_more * AFFINITY_SLACK else chosen
+                return cached if load <= chosen.limit.load_with_one_more + slack else chosen
             chosen = sooner(level)
             if wait(chosen) <= horizon_s:
                 return chosen
