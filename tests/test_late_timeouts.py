@@ -120,3 +120,4 @@ async def test_only_one_late_timeout_a_call_is_forgiven(database_url: str, sim: 
         assert outcome.terminal.event == "error", outcome.terminal
         assert outcome.terminal.data["code"] == "UPSTREAM_TIMEOUT"
         assert timeouts(svc, LOOP_LATE) == 1
+        assert timeouts(svc, UPSTREAM) == 1  # the second, counted as the provider's

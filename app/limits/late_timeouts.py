@@ -38,8 +38,9 @@ class LateTimeouts:
         self._lateness = lateness
         self._on_timeout = on_timeout
 
-    def ours(self, stage: str) -> bool:
-        """A connect or first-byte timeout of a `stage` call just fired: was our loop late?"""
-        late = self._lateness.now(asyncio.get_running_loop().time()) >= LATE_S
+    def ours(self, stage: str, *, forgivable: bool = True) -> bool:
+        """A connect or first-byte timeout of a `stage` call just fired: was our loop late
+        (and may the call still be forgiven one)? Counted under the cause it is taken for."""
+        late = forgivable and self._lateness.now(asyncio.get_running_loop().time()) >= LATE_S
         self._on_timeout(stage, LOOP_LATE if late else UPSTREAM)
         return late

@@ -631,8 +631,9 @@ class Upstream:
         if never_sent and not result.text:
             reservation.settle(None)
         timeout = isinstance(exc, TimeoutError)
-        forgivable = timeout and not result.text and result.late_timeouts < MAX_FORGIVEN
-        if forgivable and self._late_timeouts and self._late_timeouts.ours(call.stage):
+        late = self._late_timeouts
+        forgivable = result.late_timeouts < MAX_FORGIVEN
+        if timeout and not result.text and late is not None and late.ours(call.stage, forgivable=forgivable):
             result.late_timeouts += 1
             return AttemptFailed(UpstreamTimeout(), retry=True, reason=LOOP_LATE)
         route.breaker.failed(self._clock.now(), "timeout" if timeout else "connection", sent_at=sent_at)
