@@ -62,37 +62,35 @@ class AnswerDelta(ScanEvent):
 
 
 @dataclass(frozen=True, slots=True)
-class ItemsFound(ScanEvent):
+class _ItemEvent(ScanEvent):
+    """An item event's fields are its `data`, as the stage built them."""
+
+    data: dict[str, Any]
+
+    def fields(self) -> dict[str, Any]:
+        return self.data
+
+
+@dataclass(frozen=True, slots=True)
+class ItemsFound(_ItemEvent):
     """How many items the photo holds (vision, always), which is the main one, how many the
     reply named that were left out."""
 
     kind = "items"
-    data: dict[str, Any]
-
-    def fields(self) -> dict[str, Any]:
-        return self.data
 
 
 @dataclass(frozen=True, slots=True)
-class ItemClassified(ScanEvent):
+class ItemClassified(_ItemEvent):
     """One item of a photo of several, classified (vision)."""
 
     kind = "item"
-    data: dict[str, Any]
-
-    def fields(self) -> dict[str, Any]:
-        return self.data
 
 
 @dataclass(frozen=True, slots=True)
-class ItemRuled(ScanEvent):
+class ItemRuled(_ItemEvent):
     """One item of a photo of several, its rules found (rule)."""
 
     kind = "item_rule"
-    data: dict[str, Any]
-
-    def fields(self) -> dict[str, Any]:
-        return self.data
 
 
 ITEM_EVENTS: dict[str, type[ItemsFound | ItemClassified | ItemRuled]] = {
