@@ -53,6 +53,7 @@ from app.limits.sizing import (
 )
 from app.limits.stage_gate import StageGate
 from app.limits.user_quota import UserQuota, windows
+from app.runtime import tracing
 from app.runtime.box import BoxLimits, box_limits
 from app.runtime.loop_lag import LoopLateness, probe_loop_lag
 from app.runtime.metrics import Metrics
@@ -131,6 +132,9 @@ async def lifespan_resources(
     instance_id = uuid.uuid4()
     box = box_limits()
     async with AsyncExitStack() as stack:
+        stack.push_async_callback(
+            _bounded_close, "trace export", tracing.start(metrics, user_ids=settings.trace_user_id)
+        )
         dsn = tagged_dsn(await _database(settings, stack), instance_id)
         pool = await _pool(settings, dsn, stack)
         taxonomy = await _catalogue(pool)

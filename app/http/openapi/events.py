@@ -131,6 +131,10 @@ def event_models(stages: Sequence[StageClass]) -> dict[str, list[type[BaseModel]
         step=(_one_of(["done"]), ...),
         **done_fields,
         timings=(timings, ...),
+        trace_id=(
+            str | None,
+            Field(None, description="The scan's trace (32 hex digits), when traces are on (`OTEL_*`)."),
+        ),
     )
     failed_step = (
         f"The step that failed: {', '.join(names)} or done; `client` when the client went away and "
