@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 import secrets
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -237,3 +240,34 @@ async def test_a_scan_taken_over_goes_on_in_its_trace_on_the_replica_that_adopts
         s.name.startswith("chat ") and s.parent_span_id == answer.span_id for s in received.of_trace(trace_id)
     )
     assert json.dumps(follower.terminals()[0].data)  # the follower saw the adopter's `done`
+
+
+def test_off_unless_the_environment_configures_an_exporter_and_then_nothing_is_imported() -> None:
+    from app.runtime.tracing import configured
+
+    assert not configured({})
+    assert configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"})
+    assert configured({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4318/v1/traces"})
+    assert not configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_SDK_DISABLED": "TRUE"})
+    assert not configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_TRACES_EXPORTER": "none"})
+    # The whole service imported, tracing started and a span made, in a process of its own
+    # (this one has imported the SDK for the receiver): nothing of the trace SDK or the
+    # exporter loaded. (FastAPI imports the OpenTelemetry API, its own dependency, for its
+    # native telemetry, off without a global provider; redis-py the SDK's metrics if installed.)
+    script = (
+        "import sys, asyncio\n"
+        "import app.main\n"
+        "from app.runtime import tracing\n"
+        "from app.runtime.metrics import Metrics\n"
+        "close = tracing.start(Metrics(process=False))\n"
+        "with tracing.span('x', {'a': 1}) as s:\n"
+        "    s.set_attribute('b', 2)\n"
+        "asyncio.run(close())\n"
+        "assert tracing.trace_id() is None and tracing.traceparent() is None\n"
+        "ours = ('opentelemetry.sdk.trace', 'opentelemetry.exporter', 'opentelemetry.proto')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(ours)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
