@@ -128,6 +128,15 @@ async def test_one_scan_is_one_trace_under_the_clients_traceparent(
             assert outcome.terminal.data["trace_id"] == trace_id
             await received.wait_for(trace_id, "scan")
             await received.wait_for(trace_id, "UPDATE scans")
+            # A client's trace that is not sampled: named, followed, nothing of it exported.
+            unsampled, unsampled_id, _ = traceparent()
+            unsampled = unsampled[:-2] + "00"
+            other = await run_scan(
+                client, json={"image_url": data_url(make_jpeg(72))}, headers={"traceparent": unsampled}
+            )
+            assert other.headers["x-trace-id"] == other.terminal.data["trace_id"] == unsampled_id
+            await asyncio.sleep(1.0)  # ten times the export delay
+            assert received.of_trace(unsampled_id) == []
             openmetrics = await client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
             text = (await client.get("/metrics")).text
 

@@ -17,11 +17,12 @@ names and timings, never a prompt, an answer, an image or (unless `TRACE_USER_ID
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -65,7 +66,33 @@ class _NoSpan:
 
 NO_SPAN = _NoSpan()
 _OFF: contextlib.nullcontext[SpanLike] = contextlib.nullcontext(NO_SPAN)  # reusable: it holds no state
-_tracer: Tracer | None = None
+
+
+class _Otel:
+    """What the hot path uses of OpenTelemetry, imported once, when tracing starts."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        from opentelemetry import context, trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.tracer = tracer
+        self.current = trace.get_current_span
+        self.in_context = trace.set_span_in_context
+        self.attach, self.detach = context.attach, context.detach
+        self.internal, self.server, self.client = (
+            trace.SpanKind.INTERNAL,
+            trace.SpanKind.SERVER,
+            trace.SpanKind.CLIENT,
+        )
+        self.error = trace.StatusCode.ERROR
+        self.propagator = TraceContextTextMapPropagator()
+        self.format_trace_id = trace.format_trace_id
+
+    def extract(self, parent: str | Mapping[str, str]) -> Any:
+        return self.propagator.extract({"traceparent": parent} if isinstance(parent, str) else parent)
+
+
+_otel: _Otel | None = None
 _user_ids = False
 
 
@@ -81,7 +108,12 @@ def configured(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def enabled() -> bool:
-    return _tracer is not None
+    return _otel is not None
+
+
+def recording() -> bool:
+    """Whether spans made here are recorded (tracing on, and this trace sampled)."""
+    return _otel is not None and bool(_otel.current().get_span_context().trace_flags.sampled)
 
 
 def user_ids() -> bool:
@@ -98,47 +130,49 @@ def span(
     parent: str | Mapping[str, str] | None = None,
 ) -> contextlib.AbstractContextManager[SpanLike]:
     """A span around a block, the current one's child (or `parent`'s: a W3C `traceparent`,
-    or headers holding one); an exception leaving the block marks it failed (`error.type`)."""
-    if _tracer is None:
+    or headers holding one); an exception leaving the block marks it failed (`error.type`).
+    Inside a trace that is not sampled, nothing: its children would not be sampled either
+    (every sampler the SDK has decides alike for a trace), and its id is the parent's."""
+    otel = _otel
+    if otel is None:
         return _OFF
-    return _live_span(_tracer, name, attributes, server, client, parent)
+    context = None
+    if parent is not None:
+        context = otel.extract(parent)
+    else:
+        # (Sampled, not recording: the parent has ended, a scan's request span has.)
+        found = otel.current().get_span_context()
+        if found.is_valid and not found.trace_flags.sampled:
+            return _OFF
+    kind = otel.server if server else otel.client if client else otel.internal
+    return _LiveSpan(otel, otel.tracer.start_span(name, context, kind, attributes))
 
 
-@contextlib.contextmanager
-def _live_span(
-    tracer: Tracer,
-    name: str,
-    attributes: Attributes | None,
-    server: bool,
-    client: bool,
-    parent: str | Mapping[str, str] | None,
-) -> Iterator[SpanLike]:
-    from opentelemetry.trace import SpanKind, StatusCode
+class _LiveSpan:
+    """The SDK's span made current for a block, then ended (`start_as_current_span` without
+    its two generator-based context managers: this runs for every span)."""
 
-    kind = SpanKind.SERVER if server else SpanKind.CLIENT if client else SpanKind.INTERNAL
-    context = _extract(parent) if parent is not None else None
-    with tracer.start_as_current_span(
-        name,
-        context=context,
-        kind=kind,
-        attributes=attributes,
-        record_exception=False,  # a stack trace in a span says nothing a code does not, at a cost
-        set_status_on_exception=False,
-    ) as current:
+    __slots__ = ("_otel", "_span", "_token")
+
+    def __init__(self, otel: _Otel, started: Any) -> None:
+        self._otel = otel
+        self._span = started
+        self._token: object = None
+
+    def __enter__(self) -> SpanLike:
+        self._token = self._otel.attach(self._otel.in_context(self._span))
+        span: SpanLike = self._span
+        return span
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         try:
-            yield current
-        except BaseException as exc:
-            if current.is_recording():
-                current.set_attribute("error.type", error_type(exc))
-                if not _cancelled(exc):
-                    current.set_status(StatusCode.ERROR)
-            raise
-
-
-def _cancelled(exc: BaseException) -> bool:
-    import asyncio
-
-    return isinstance(exc, asyncio.CancelledError)
+            if exc is not None and self._span.is_recording():
+                self._span.set_attribute("error.type", error_type(exc))
+                if not isinstance(exc, asyncio.CancelledError):  # a lost hedge, a client gone
+                    self._span.set_status(self._otel.error)
+        finally:
+            self._otel.detach(self._token)  # type: ignore[arg-type]
+            self._span.end()
 
 
 def error_type(exc: BaseException) -> str:
@@ -147,84 +181,66 @@ def error_type(exc: BaseException) -> str:
         value = getattr(exc, attribute, None)
         if isinstance(value, str) and value:
             return value
-    return "cancelled" if _cancelled(exc) else type(exc).__qualname__
-
-
-def _extract(parent: str | Mapping[str, str]) -> Any:
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    carrier = {"traceparent": parent} if isinstance(parent, str) else parent
-    return TraceContextTextMapPropagator().extract(carrier)
+    return "cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__qualname__
 
 
 def event(name: str, attributes: Attributes | None = None) -> None:
     """An event on the current span (a routing decision, a wait, a failover)."""
-    if _tracer is None:
-        return
-    from opentelemetry.trace import get_current_span
-
-    get_current_span().add_event(name, attributes)
+    if _otel is not None:
+        _otel.current().add_event(name, attributes)
 
 
 def attributes(values: Mapping[str, Any]) -> None:
     """Attributes on the current span (known only once it has run: a reply's usage)."""
-    if _tracer is None:
+    if _otel is None:
         return
-    from opentelemetry.trace import get_current_span
-
-    current = get_current_span()
+    current = _otel.current()
     if current.is_recording():
         current.set_attributes(values)
 
 
 def failed(code: str, *, error: bool = True) -> None:
     """Mark the current span as ended by `code` (`error.type`); `error`: an error's status too."""
-    if _tracer is None:
+    if _otel is None:
         return
-    from opentelemetry.trace import StatusCode, get_current_span
-
-    current = get_current_span()
+    current = _otel.current()
     current.set_attribute("error.type", code)
     if error:
-        current.set_status(StatusCode.ERROR)
+        current.set_status(_otel.error)
 
 
 def traceparent() -> str | None:
     """The current span's context as a W3C `traceparent`: what continues its trace elsewhere."""
-    if _tracer is None:
+    if _otel is None:
         return None
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
     carrier: dict[str, str] = {}
-    TraceContextTextMapPropagator().inject(carrier)
+    _otel.propagator.inject(carrier)
     return carrier.get("traceparent")
 
 
 def trace_id() -> str | None:
     """The current trace's id (32 hex digits), whether it is sampled or not."""
-    if _tracer is None:
+    if _otel is None:
         return None
-    from opentelemetry.trace import INVALID_TRACE_ID, format_trace_id, get_current_span
-
-    found = get_current_span().get_span_context().trace_id
-    return None if found == INVALID_TRACE_ID else format_trace_id(found)
+    context = _otel.current().get_span_context()
+    return _otel.format_trace_id(context.trace_id) if context.is_valid else None
 
 
 def sampled_trace_id() -> str | None:
     """The current trace's id if its spans are recorded (an exemplar points only at a trace
     the backend has)."""
-    if _tracer is None:
+    if _otel is None:
         return None
-    from opentelemetry.trace import format_trace_id, get_current_span
-
-    context = get_current_span().get_span_context()
-    return format_trace_id(context.trace_id) if context.trace_flags.sampled else None
+    context = _otel.current().get_span_context()
+    return (
+        _otel.format_trace_id(context.trace_id) if context.is_valid and context.trace_flags.sampled else None
+    )
 
 
 def start(metrics: Metrics, *, user_ids: bool = False) -> Callable[[], Awaitable[None]]:
     """Tracing on, if the environment configures it; returns its close (bounded: queued
     spans get `FLUSH_ON_EXIT_S` to leave). Off: a close that does nothing."""
-    global _tracer, _user_ids
+    global _otel, _user_ids
     if not configured():
         return _nothing
     protocol = os.environ.get(
@@ -233,13 +249,11 @@ def start(metrics: Metrics, *, user_ids: bool = False) -> Callable[[], Awaitable
     if protocol.strip() != "http/protobuf":
         log.warning("traces: OTLP protocol %r is not supported; exporting http/protobuf", protocol)
     provider = _provider(metrics)
-    _tracer, _user_ids = provider.get_tracer("ecoscan"), user_ids
+    _otel, _user_ids = _Otel(provider.get_tracer("ecoscan")), user_ids
 
     async def close() -> None:
-        global _tracer
-        import asyncio
-
-        _tracer = None
+        global _otel
+        _otel = None
         closing = threading.Thread(target=_shut_down, args=(provider,), name="trace-close", daemon=True)
         closing.start()
         await asyncio.to_thread(closing.join, FLUSH_ON_EXIT_S + 1.0)

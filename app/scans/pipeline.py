@@ -354,7 +354,8 @@ async def _traced(scan: AcceptedScan, work: Coroutine[Any, Any, None], *, adopte
     attributes: dict[str, str | bool] = {"ecoscan.scan.id": str(scan.id), "ecoscan.scan.taken_over": adopted}
     if scan.user_id is not None and tracing.user_ids():
         attributes["user.id"] = scan.user_id
-    with tracing.span("scan", attributes, parent=scan.traceparent):
+    # Taken over, the stored parent; else the current span (the request's) is the parent.
+    with tracing.span("scan", attributes, parent=scan.traceparent if adopted else None):
         await work
 
 

@@ -43,7 +43,7 @@ def _server(base_url: str) -> tuple[str, int]:
 
 def traced(attempt: Awaitable[T], route: Route, call: ChatCall) -> Awaitable[T]:
     """`attempt` inside its span (as is, with tracing off)."""
-    if not tracing.enabled():
+    if not tracing.recording():  # off, or a trace not sampled
         return attempt
     return _in_span(attempt, route, call)
 
