@@ -30,6 +30,7 @@ router = APIRouter(route_class=JsonErrorRoute)
 READY_TIMEOUT_S = 1.0
 SCAN_PATH = "/api/v1/scan/classify/completion"
 # The scan request's span attributes (HTTP conventions), and the header that names its trace.
+SCAN_SPAN_NAME = f"POST {SCAN_PATH}"
 SCAN_SPAN = {"http.request.method": "POST", "http.route": SCAN_PATH}
 TRACE_ID_HEADER = "X-Trace-Id"
 CATEGORIES = "categories"
@@ -70,7 +71,8 @@ def resources(request: Request) -> Resources:
 )
 async def classify_completion(request: Request) -> Response:
     # The request's span (tracing on): the client's `traceparent` its parent, the scan its child.
-    with tracing.span(f"POST {SCAN_PATH}", SCAN_SPAN, server=True, parent=request.headers) as span:
+    parent = request.headers if "traceparent" in request.headers else None
+    with tracing.span(SCAN_SPAN_NAME, SCAN_SPAN, server=True, parent=parent) as span:
         try:
             response = await _classify(request)
         except EcoscanError as exc:

@@ -128,7 +128,7 @@ class ScanPipeline:
 
     def _launch(self, run: ScanRun, work: Coroutine[Any, Any, None], *, adopted: bool = False) -> ScanRun:
         scan = run.scan
-        if tracing.enabled():
+        if tracing.recording() or (adopted and tracing.enabled()):  # a sampled trace, or its takeover
             work = _traced(scan, work, adopted=adopted)
         run.task = task = asyncio.create_task(work, name=f"scan-{scan.id}")
         self.running[task] = run
