@@ -67,13 +67,13 @@ from app.scans.pipeline import ScanPipeline
 from app.scans.runner import StageRunner
 from app.scans.store import ScanStore
 from app.settings import Settings, SettingsError
-from app.stages.base import BudgetedStage, Stage, StageClass, StageEnv, StageResult
+from app.stages.base import BudgetedStage, CallingStageClass, Stage, StageClass, StageEnv, StageResult
 from app.stages.order import STAGES
 from app.streaming.access import ScanAccess
 from app.upstream.affinity import PrefixAffinity
 from app.upstream.breaker import Breaker
 from app.upstream.client import Upstream
-from app.upstream.deployments import Deployment, DeploymentError, with_key
+from app.upstream.deployments import Deployment, DeploymentError, check_deployments, with_key
 from app.upstream.endpoint import ChatEndpoint
 from app.upstream.hedging import HedgeBudget, HedgePolicy
 from app.upstream.negotiation import Negotiation
@@ -82,6 +82,7 @@ from app.upstream.profiles import DEFAULT_PROFILE, profile_for
 from app.upstream.providers import PROVIDERS
 from app.upstream.routes import Route, Router
 from app.upstream.shared_breaker import SharedBreakers
+from app.upstream.stage_call import StageCall
 
 log = logging.getLogger("app")
 
@@ -136,8 +137,11 @@ async def lifespan_resources(
         taxonomy = await _catalogue(pool)
         redis = await _redis_link(settings, stack)
         lateness = LoopLateness()  # the loop-lag probe's, for timeouts that fire late
-        upstream, base_url, simulator = await _upstream(settings, metrics, clock, redis, stack, box, lateness)
-        env = StageEnv(settings, pool, dsn, taxonomy, upstream, metrics, clock, stack)
+        calls = stage_calls(settings, stages)
+        upstream, base_url, simulator = await _upstream(
+            settings, calls, metrics, clock, redis, stack, box, lateness
+        )
+        env = StageEnv(settings, pool, dsn, taxonomy, upstream, metrics, clock, stack, calls)
         built = [await stage.start(env) for stage in stages]  # in order: each may load what it needs
         runner = StageRunner(built, metrics=metrics, clock=clock)
         user_caps = _shared_user_caps(redis, metrics, stack)
@@ -298,8 +302,18 @@ def _count_redis_call(metrics: Metrics, model: str, op: str, seconds: float) -> 
         metrics.budget_redis_call_seconds.labels(model).observe(seconds)
 
 
+def stage_calls(settings: Settings, stages: Sequence[StageClass]) -> dict[str, StageCall]:
+    """Every calling stage's call as set, in stage order."""
+    return {
+        stage.name: settings.stage_call(stage.call)
+        for stage in stages
+        if isinstance(stage, CallingStageClass)
+    }
+
+
 async def _upstream(
     settings: Settings,
+    calls: Mapping[str, StageCall],
     metrics: Metrics,
     clock: Clock,
     redis: RedisLink | None,
@@ -311,8 +325,8 @@ async def _upstream(
     one budget per limit group and model, one breaker and connection pool per deployment,
     one gate per stage, the retry policy. Also the first deployment's URL and the
     simulator, when it runs."""
-    deployments, simulator = await _deployments(settings, stack)
-    gates = {stage: _gate(settings, stage, box) for stage in ("vision", "answer")}
+    deployments, simulator = await _deployments(settings, calls, stack)
+    gates = {stage: _gate(call, box) for stage, call in calls.items()}
     budgets: dict[str, RateBudget] = {}
     endpoints: dict[tuple[str, str], ChatEndpoint] = {}
     negotiations: dict[tuple[str, str], Negotiation] = {}
@@ -324,7 +338,7 @@ async def _upstream(
             d.name, open_base_s=settings.upstream_open_s, open_max_s=settings.upstream_probe_max_s
         )
         metrics.upstream_state.labels(d.name).set_function(breaker.gauge)
-        for stage in ("vision", "answer"):
+        for stage, call in calls.items():
             model = d.model_for(stage)
             if model is None:
                 continue
@@ -351,7 +365,7 @@ async def _upstream(
                 # known; any other (a compatible server, a model we do not know) is found out.
                 known = d.provider != "compatible" and profile_for(model) is not DEFAULT_PROFILE
                 negotiations[(d.name, model)] = Negotiation(f"{d.name}/{model}", settled=known)
-            shape = settings.call_shape(stage, model=model, token_param=d.token_param)
+            shape = call.shape(model=model, token_param=d.token_param or settings.openai_token_param)
             routes.append(
                 Route(
                     d,
@@ -420,9 +434,10 @@ def _shared_breakers(
     return shared
 
 
-def _gate(settings: Settings, stage: str, box: BoxLimits) -> StageGate:
-    """A stage's gate: fixed at `<STAGE>_CONCURRENCY`, or sized (app/limits/sizing.py)."""
-    spec = settings.limit(f"{stage}_concurrency")
+def _gate(call: StageCall, box: BoxLimits) -> StageGate:
+    """A stage's gate: fixed at its call's concurrency (`<STAGE>_CONCURRENCY`), or sized
+    (app/limits/sizing.py)."""
+    stage, spec = call.stage, call.concurrency
     if spec.fixed is not None:
         return StageGate(stage, spec.fixed)
     ceiling = spec.ceiling(box.scans)
@@ -488,17 +503,21 @@ def _sizing(
     return sizing
 
 
-async def _deployments(settings: Settings, stack: AsyncExitStack) -> tuple[tuple[Deployment, ...], Any]:
-    """UPSTREAMS' deployments with their keys, or the one the OPENAI_* settings describe
-    (the built-in simulator's, without OPENAI_API_KEY)."""
+async def _deployments(
+    settings: Settings, calls: Mapping[str, StageCall], stack: AsyncExitStack
+) -> tuple[tuple[Deployment, ...], Any]:
+    """UPSTREAMS' deployments with their keys (every calling stage served by one), or the
+    one the OPENAI_* settings describe (the built-in simulator's, without OPENAI_API_KEY),
+    running each calling stage's own model."""
     listed = settings.deployments()
     if listed is not None:
         try:
             keyed = tuple(with_key(d, os.environ) for d in listed)
+            check_deployments(keyed, tuple(calls))
         except DeploymentError as exc:
             raise SettingsError(f"UPSTREAMS: {exc}") from None
         for d in keyed:
-            served = ", ".join(f"{s} by {d.model_for(s)}" for s in ("vision", "answer") if d.model_for(s))
+            served = ", ".join(f"{s} by {m}" for s, m in d.models)
             log.info(
                 "upstream %s: %s at %s (%s; limit group %s)",
                 d.name,
@@ -515,8 +534,7 @@ async def _deployments(settings: Settings, stack: AsyncExitStack) -> tuple[tuple
         base_url=base_url,
         rpm=settings.openai_rpm,
         tpm=settings.openai_tpm,
-        vision_model=settings.vision_model,
-        answer_model=settings.answer_model,
+        models=tuple((stage, call.model) for stage, call in calls.items()),
         api_key=api_key or None,
     )
     return (implicit,), simulator
