@@ -22,7 +22,8 @@ LAYERS = [
     "app.scans",  # running scans: pipeline, runner, events, store, mirror, drain
     "app.streaming",  # a scan's events as SSE, and reading scans back
     "app.intake",  # who asks, reading and parsing the request, acceptance
-    "app.resources",  # the lifespan: builds everything above
+    "app.assembly",  # how each part is built: the upstream, the services, the gauges
+    "app.resources",  # the lifespan: builds everything above, in order
     "app.http",  # routes, page, OpenAPI document, HTTP protocol
     "app.main",
 ]
@@ -30,7 +31,7 @@ LAYERS = [
 # runtime's embedded serving, and only the lifespan starts it (lazily, without a key).
 SIMULATOR = "app.sim"
 SIMULATOR_MAY_IMPORT = ("app.runtime",)
-STARTS_SIMULATOR = "app.resources"
+STARTS_SIMULATOR = "app.assembly.upstream"
 
 
 def _module_name(path: Path) -> str:
