@@ -366,7 +366,7 @@ class Metrics:
         )
         self.limit = Gauge(
             "ecoscan_limit",
-            "Each limit in force now: vision_gate, answer_gate (calls in progress), admission (scans in"
+            "Each limit in force now: <stage>_gate per calling stage (calls in progress), admission (scans in"
             " flight), cpu_queue (CPU-lane jobs waiting), loop_rate (scans a second the event loop takes).",
             ["limit"],
             registry=r,
