@@ -10,9 +10,13 @@ import uuid
 from typing import Any
 
 import asyncpg
+import pytest
 from httpx_sse import aconnect_sse
 from pydantic import Field, PrivateAttr
 
+from app.resources import lifespan_resources
+from app.runtime.metrics import Metrics
+from app.settings import SettingsError
 from app.sim.server import RunningSimulator
 from app.stages.answer import AnswerResult, AnswerStage
 from app.stages.base import StageEnv, StageResult
@@ -290,3 +294,30 @@ async def test_a_calling_stage_is_routed_budgeted_gated_cached_and_counted(
         assert svc.metric("ecoscan_cache_requests_total", {"cache": "moderation", "outcome": "hit"}) == 1
         assert (await sim_stats(sim))["by_schema"].get("moderation_check", 0) == before + 1
         assert svc.metric("ecoscan_stage_duration_seconds_count", labels) == 2
+
+
+async def test_deployments_name_a_calling_stages_model_in_models(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """Listed deployments serve a new calling stage where their `models` name one for it; a
+    stage none serves stops the start, naming it."""
+
+    def listed(models: dict[str, str]) -> str:
+        deployment = {
+            "name": "sim",
+            "provider": "compatible",
+            "base_url": sim.base_url,
+            "rpm": 500,
+            "tpm": 500_000,
+        }
+        return json.dumps([{**deployment, "models": models}])
+
+    pair = {"vision": "gpt-4o-mini", "answer": "gpt-4o-mini"}
+    unserved = settings_for(database_url, sim, upstreams=listed(pair))
+    with pytest.raises(SettingsError, match="no deployment serves the moderation stage"):
+        async with lifespan_resources(unserved, Metrics(process=False), stages=MODERATED):
+            pass
+    served = settings_for(database_url, sim, upstreams=listed({**pair, "moderation": "gpt-4.1-nano"}))
+    async with lifespan_resources(served, Metrics(process=False), stages=MODERATED) as resources:
+        assert list(resources.gates) == ["vision", "moderation", "answer"]
+        assert set(resources.budgets) == {"sim/gpt-4o-mini", "sim/gpt-4.1-nano"}
