@@ -127,7 +127,8 @@ class Upstream:
         self._retry = retry
         self._metrics = metrics
         self._clock = clock
-        self._pricing = Pricing(router.routes, metrics)  # what each call cost (app/upstream/prices.py)
+        # What each call cost (app/upstream/prices.py).
+        self._pricing = Pricing(((r.name, r.model, r.deployment.prices) for r in router.routes), metrics)
         # Every budget, by its key (limit group and model), once each.
         self.budgets: dict[str, RateBudget] = {}
         for route in router.routes:

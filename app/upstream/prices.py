@@ -26,13 +26,9 @@ import contextvars
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from app.runtime.metrics import Metrics
 from app.upstream.call import Usage
-
-if TYPE_CHECKING:
-    from app.upstream.routes import Route
 
 log = logging.getLogger(__name__)
 
@@ -103,23 +99,22 @@ class ScanSpend:
 
 
 class Pricing:
-    """The price of every route's model on its deployment, and the metrics of what was spent."""
+    """The price of every model on each deployment serving it, and the metrics of what
+    was spent. `served`: (deployment, model, the deployment's own prices), once a route."""
 
-    def __init__(self, routes: Iterable[Route], metrics: Metrics) -> None:
+    def __init__(self, served: Iterable[tuple[str, str, Mapping[str, Price]]], metrics: Metrics) -> None:
         self._metrics = metrics
         self._prices: dict[tuple[str, str], Price | None] = {}
-        for route in routes:
-            key = (route.name, route.model)
-            if key in self._prices:
+        for deployment, model, own in served:
+            if (deployment, model) in self._prices:
                 continue
-            price = price_of(route.model, {**DEFAULT_PRICES, **route.deployment.prices})
-            self._prices[key] = price
+            price = self._prices[deployment, model] = price_of(model, {**DEFAULT_PRICES, **own})
             if price is None:
                 log.warning(
                     "deployment %s: no price for model %s: its calls' cost is unknown "
                     "(set `prices` on the deployment; docs/configuration.md#prices)",
-                    route.name,
-                    route.model,
+                    deployment,
+                    model,
                 )
 
     def charge(self, deployment: str, model: str, usage: Usage) -> None:
