@@ -179,7 +179,11 @@ async def test_a_scans_stored_cost_is_the_priced_usage_of_every_call_retries_and
 
 
 async def test_a_model_with_no_price_leaves_the_scans_cost_unknown_not_zero(
-    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch, db: asyncpg.Connection
+    database_url: str,
+    sim: RunningSimulator,
+    monkeypatch: pytest.MonkeyPatch,
+    db: asyncpg.Connection,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     user = f"unpriced-{uuid.uuid4().hex[:8]}"
     fast = SimConfig(time_scale=0.002, latency_sigma=0.0, text_tokens=40)
@@ -195,6 +199,9 @@ async def test_a_model_with_no_price_leaves_the_scans_cost_unknown_not_zero(
             )
             observed = svc.metric("ecoscan_scan_cost_usd_count")
     assert outcome.terminal.event == "done"
+    warned = [r.getMessage() for r in caplog.records if "no price for model" in r.getMessage()]
+    assert warned == ["deployment only: no price for model gpt-4.1-nano: its calls' cost is unknown "
+                      "(set `prices` on the deployment; docs/configuration.md#prices)"]  # fmt: skip
     assert unpriced == 1 and priced > 0 and observed == 0
     row = await db.fetchrow(
         "SELECT cost_usd FROM scans WHERE id = $1", uuid.UUID(outcome.events[0].data["job_id"])

@@ -15,9 +15,9 @@ no price is never made a free one: its calls are counted in
 one has no cost (NULL), not a smaller one.
 
 `Pricing.charge` is called once for every attempt that reported usage (`Upstream._settle`:
-retried attempts, hedges and refused or cut-off replies included). The scan it belongs to
-is found through `ScanSpend.current`, set by the scan's task (app/scans/pipeline.py) and
-inherited by the tasks its calls start (a hedge).
+retried attempts, hedges, and replies refused or cut at their token cap included). The scan
+it belongs to is found through `ScanSpend.current`, set by the scan's task
+(app/scans/pipeline.py) and inherited by the tasks its calls start (a hedge).
 """
 
 from __future__ import annotations
