@@ -1,5 +1,6 @@
 """deploy/compose.yaml brought up for real, on images built here from Debian packages
-(no registry), under a project name of its own, and taken down with its volumes after.
+(Phoenix's from PyPI; no image registry), under a project name of its own, and taken
+down with its volumes after.
 
 1. The stack comes up: three replicas behind the balancer, PostgreSQL, Redis, Prometheus
    and Phoenix (the trace backend), every one healthy; no secret is in any container's
