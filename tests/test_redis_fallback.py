@@ -200,3 +200,16 @@ async def test_aclose_sends_what_is_kept_once_more(
         assert await written.members() == set()
         await unsent.aclose()
         assert await written.members() == {"at exit"}
+
+
+async def test_aclose_leaves_nothing_running_while_redis_is_away(own_redis: RedisServer) -> None:
+    """A write that fails while closing is kept no longer: no resending starts after the
+    close (it would outlive its holder)."""
+    moves = Moves()
+    async with linked(own_redis) as link:
+        unsent: Unsent[str] = Unsent(moves.fallback(link), Written(link).send, name="closing")
+        own_redis.stop()
+        unsent.later("at exit", 3600.0)  # fails during the close
+        await unsent.aclose()
+        assert moves.errors >= 1
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == "closing-resend" and not t.done()]

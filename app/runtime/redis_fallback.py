@@ -167,6 +167,7 @@ class Unsent(Generic[K]):
         self._lapses: dict[K, float] = {}  # write -> when it no longer matters (monotonic)
         self._retrying: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False  # no resending started once `aclose` has begun
 
     def __len__(self) -> int:
         return len(self._lapses)
@@ -183,7 +184,7 @@ class Unsent(Generic[K]):
         if await self._redis.call(self._send([write])) is not FAILED:
             return True
         self._lapses[write] = time.monotonic() + lasts_s
-        if self._retrying is None or self._retrying.done():
+        if not self._closing and (self._retrying is None or self._retrying.done()):
             self._retrying = asyncio.create_task(self._retry(), name=f"{self._name}-resend")
         return False
 
@@ -215,6 +216,7 @@ class Unsent(Generic[K]):
     async def aclose(self) -> None:
         """Stop resending; send what is kept once more and wait for the writes in flight,
         within one deadline (what is left lapses in Redis on its own)."""
+        self._closing = True
         if self._retrying is not None:
             self._retrying.cancel()
             await asyncio.gather(self._retrying, return_exceptions=True)
