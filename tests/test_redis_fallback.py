@@ -134,82 +134,78 @@ async def test_a_bug_in_the_call_is_not_an_outage(own_redis: RedisServer) -> Non
 
 
 class Written:
-    """An `Unsent` sender: adds its writes to one Redis set, in one call."""
+    """Writes through an `Unsent` into one Redis set (its sender adds a batch in one call)."""
 
-    def __init__(self, link: RedisLink) -> None:
+    def __init__(self, link: RedisLink, name: str) -> None:
         self.link = link
         self.key = link.key("written")
+        self.moves = Moves()
+        self.unsent: Unsent[str] = Unsent(self.moves.fallback(link), self._send, name=name)
 
-    async def send(self, writes: list[str]) -> None:
+    async def _send(self, writes: list[str]) -> None:
         await self.link.client.sadd(self.key, *writes)
 
     async def members(self) -> set[str]:
         return {m if isinstance(m, str) else m.decode() for m in await self.link.client.smembers(self.key)}
 
 
-async def test_writes_redis_missed_are_sent_when_it_answers(own_redis: RedisServer) -> None:
-    moves = Moves()
-    async with linked(own_redis) as link:
-        written = Written(link)
-        unsent: Unsent[str] = Unsent(moves.fallback(link), written.send, name="test")
+@asynccontextmanager
+async def writes(server: RedisServer, name: str = "test") -> AsyncIterator[Written]:
+    async with linked(server) as link:
+        written = Written(link, name)
         try:
-            await unsent.send("before", 60.0)
-            own_redis.freeze()
-            try:
-                for write in ("a", "b", "c"):
-                    unsent.later(write, 60.0)
-                assert await eventually(lambda: len(unsent) == 3, attempts=200, interval=0.05)
-            finally:
-                own_redis.thaw()
-            assert await eventually(lambda: len(unsent) == 0, attempts=200, interval=0.05)
-            assert await written.members() == {"before", "a", "b", "c"}
-            assert moves.local == moves.shared == 1
+            yield written
         finally:
-            await unsent.aclose()
+            await written.unsent.aclose()
+
+
+async def test_writes_redis_missed_are_sent_when_it_answers(own_redis: RedisServer) -> None:
+    async with writes(own_redis) as written:
+        unsent = written.unsent
+        await unsent.send("before", 60.0)
+        own_redis.freeze()
+        try:
+            for write in ("a", "b", "c"):
+                unsent.later(write, 60.0)
+            assert await eventually(lambda: len(unsent) == 3, attempts=200, interval=0.05)
+        finally:
+            own_redis.thaw()
+        assert await eventually(lambda: len(unsent) == 0, attempts=200, interval=0.05)
+        assert await written.members() == {"before", "a", "b", "c"}
+        assert written.moves.local == written.moves.shared == 1
 
 
 async def test_a_write_that_lapsed_is_forgotten_unsent(own_redis: RedisServer) -> None:
-    moves = Moves()
-    async with linked(own_redis) as link:
-        written = Written(link)
-        unsent: Unsent[str] = Unsent(moves.fallback(link), written.send, name="test")
-        try:
-            own_redis.stop()
-            assert not await unsent.send("lapsed", 0.0)
-            assert not await unsent.send("kept", 3600.0)
-            assert sorted(unsent) == ["kept", "lapsed"]
-            own_redis.start()
-            await unsent.flush()
-            assert len(unsent) == 0
-            assert await written.members() == {"kept"}
-        finally:
-            await unsent.aclose()
+    async with writes(own_redis) as written:
+        own_redis.stop()
+        assert not await written.unsent.send("lapsed", 0.0)
+        assert not await written.unsent.send("kept", 3600.0)
+        assert sorted(written.unsent) == ["kept", "lapsed"]
+        own_redis.start()
+        await written.unsent.flush()
+        assert len(written.unsent) == 0
+        assert await written.members() == {"kept"}
 
 
 async def test_aclose_sends_what_is_kept_once_more(
     own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(redis_fallback, "RESEND_S", 3600.0)  # only aclose sends it again
-    moves = Moves()
-    async with linked(own_redis) as link:
-        written = Written(link)
-        unsent: Unsent[str] = Unsent(moves.fallback(link), written.send, name="test")
+    async with writes(own_redis) as written:
         own_redis.stop()
-        assert not await unsent.send("at exit", 3600.0)
+        assert not await written.unsent.send("at exit", 3600.0)
         own_redis.start()
         assert await written.members() == set()
-        await unsent.aclose()
+        await written.unsent.aclose()
         assert await written.members() == {"at exit"}
 
 
 async def test_aclose_leaves_nothing_running_while_redis_is_away(own_redis: RedisServer) -> None:
     """A write that fails while closing is kept no longer: no resending starts after the
     close (it would outlive its holder)."""
-    moves = Moves()
-    async with linked(own_redis) as link:
-        unsent: Unsent[str] = Unsent(moves.fallback(link), Written(link).send, name="closing")
+    async with writes(own_redis, "closing") as written:
         own_redis.stop()
-        unsent.later("at exit", 3600.0)  # fails during the close
-        await unsent.aclose()
-        assert moves.errors >= 1
+        written.unsent.later("at exit", 3600.0)  # fails during the close
+        await written.unsent.aclose()
+        assert written.moves.errors >= 1
         assert not [t for t in asyncio.all_tasks() if t.get_name() == "closing-resend" and not t.done()]

@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 # What a call to Redis that did not get its answer raises. A bug in our own code is none
-# of these: it is logged as a bug by the caller, not taken for an outage.
+# of these: the caller logs it as a bug.
 REDIS_FAILURES: Final = (RedisError, OSError, TimeoutError)
 # After a failure Redis is not asked this long: each caller on its own then, not each
 # waiting out a hung server first.
