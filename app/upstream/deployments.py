@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from app.runtime.redaction import redact_url
 from app.upstream.prices import Price
 
 PROVIDERS = ("openai", "azure", "gemini", "compatible")
@@ -155,7 +156,7 @@ def _check(where: str, d: Deployment) -> None:
         raise DeploymentError(f"{where}: provider: one of {', '.join(PROVIDERS)}, got {d.provider!r}")
     parts = urlsplit(d.base_url)
     if parts.scheme not in ("https", "http") or not parts.hostname:
-        raise DeploymentError(f"{where}: base_url: an http(s):// URL, got {d.base_url!r}")
+        raise DeploymentError(f"{where}: base_url: an http(s):// URL, got {redact_url(d.base_url)!r}")
     if not (d.vision_model or d.answer_model):
         raise DeploymentError(f"{where}: vision_model / answer_model: set at least one")
     if d.token_param is not None and d.token_param not in TOKEN_PARAMS:
