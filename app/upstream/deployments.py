@@ -25,6 +25,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from app.runtime.redaction import redact_url
+from app.upstream.prices import Price
+
 PROVIDERS = ("openai", "azure", "gemini", "compatible")
 STAGES = ("vision", "answer")  # the calling stages every list must serve (the lifespan checks its own)
 TOKEN_PARAMS = ("max_completion_tokens", "max_tokens")
@@ -50,6 +53,8 @@ class Deployment:
     token_param: str | None = None  # None: the model profile's choice
     models: tuple[tuple[str, str], ...] = ()  # (stage, model), vision_model and answer_model folded in
     api_key: str | None = field(default=None, repr=False, compare=False)  # resolved, never listed
+    # USD per 1M tokens by model, over the defaults (app/upstream/prices.py).
+    prices: Mapping[str, Price] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         merged = dict(self.models)
@@ -161,6 +166,7 @@ def _deployment(source: str, index: int, entry: object, environ: Mapping[str, st
         values[name] = _count(where, name, entry[name], minimum=1)
     values["priority"] = _count(where, "priority", entry.get("priority", 0), minimum=0)
     values["models"] = _models(where, entry.get("models", {}))
+    values["prices"] = _prices(where, entry.get("prices", {}))
     deployment = Deployment(**values)
     _check(where, deployment)
     return deployment if environ is None else with_key(deployment, environ)
@@ -171,7 +177,7 @@ def _check(where: str, d: Deployment) -> None:
         raise DeploymentError(f"{where}: provider: one of {', '.join(PROVIDERS)}, got {d.provider!r}")
     parts = urlsplit(d.base_url)
     if parts.scheme not in ("https", "http") or not parts.hostname:
-        raise DeploymentError(f"{where}: base_url: an http(s):// URL, got {d.base_url!r}")
+        raise DeploymentError(f"{where}: base_url: an http(s):// URL, got {redact_url(d.base_url)!r}")
     if not d.models:
         raise DeploymentError(f"{where}: vision_model / answer_model (or models): set at least one")
     if d.token_param is not None and d.token_param not in TOKEN_PARAMS:
@@ -217,3 +223,24 @@ def _count(where: str, name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise DeploymentError(f"{where}: {name}: an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _prices(where: str, value: object) -> dict[str, Price]:
+    """`{"<model>": {"input": .., "cached_input": .., "output": ..}}`, USD per 1M tokens;
+    `cached_input` defaults to `input` (no discount known)."""
+    if not isinstance(value, dict):
+        raise DeploymentError(f"{where}: prices: an object of models, got {value!r}")
+    prices = {}
+    for model, rates in value.items():
+        at = f"{where}: prices.{model}"
+        if not isinstance(rates, dict) or not {"input", "output"} <= set(rates) <= set(_RATES):
+            raise DeploymentError(f"{at}: an object of {', '.join(_RATES)} (input and output required)")
+        for name, rate in rates.items():
+            if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < float("inf"):
+                raise DeploymentError(f"{at}.{name}: USD per 1M tokens, a number >= 0, got {rate!r}")
+        cached = rates["cached_input"] if "cached_input" in rates else rates["input"]
+        prices[model] = Price(float(rates["input"]), float(cached), float(rates["output"]))
+    return prices
+
+
+_RATES = ("input", "cached_input", "output")
