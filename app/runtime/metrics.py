@@ -68,6 +68,8 @@ class Metrics:
         self._declare_scan_stream_metrics()
         self._declare_stage_metrics()
         self._declare_upstream_metrics()
+        self._declare_routing_metrics()
+        self._declare_route_limit_metrics()
         self._declare_budget_and_gate_metrics()
         self._declare_shared_budget_metrics()
         self._declare_cpu_lane_and_loop_metrics()
@@ -238,7 +240,11 @@ class Metrics:
             ["model", "resource"],
             registry=r,
         )
-        # Routing over deployments (app/upstream/routes.py), by deployment name.
+
+    def _declare_routing_metrics(self) -> None:
+        """Routing over deployments (app/upstream/routes.py), by deployment name: where calls
+        went, each deployment's breaker, limit and failovers, negotiation, probes, hedges."""
+        r = self.registry
         self.upstream_routed = Counter(
             "ecoscan_upstream_routed_total",
             "Attempts sent to each deployment, by stage.",
@@ -293,7 +299,11 @@ class Metrics:
             ["stage", "outcome"],
             registry=r,
         )
-        # Each route's own concurrency limit (app/limits/route_limits.py), by deployment and stage.
+
+    def _declare_route_limit_metrics(self) -> None:
+        """Each route's own concurrency limit (app/limits/route_limits.py), by deployment and
+        stage, and restarted streams."""
+        r = self.registry
         self.upstream_limit = Gauge(
             "ecoscan_upstream_limit",
             "Each deployment's concurrency limit for a stage (its calls, queued at the stage gate or"
@@ -360,7 +370,7 @@ class Metrics:
         )
         self.limit = Gauge(
             "ecoscan_limit",
-            "Each limit in force now: vision_gate, answer_gate (calls in progress), admission (scans in"
+            "Each limit in force now: <stage>_gate per calling stage (calls in progress), admission (scans in"
             " flight), cpu_queue (CPU-lane jobs waiting), loop_rate (scans a second the event loop takes).",
             ["limit"],
             registry=r,
