@@ -320,6 +320,8 @@ async def _upstream(
     breakers: dict[str, Breaker] = {}
     for d in deployments:
         provider = PROVIDERS[d.provider]
+        credential = provider.credential(d)  # one per deployment: its token, if it has one
+        stack.push_async_callback(_bounded_close, f"credential of {d.name}", credential.aclose)
         breaker = breakers[d.health_id()] = Breaker(
             d.name, open_base_s=settings.upstream_open_s, open_max_s=settings.upstream_probe_max_s
         )
@@ -337,7 +339,7 @@ async def _upstream(
             if (d.name, model) not in endpoints:
                 endpoint = ChatEndpoint.open(
                     provider.chat_url(d, model),
-                    provider.auth_headers(d),
+                    credential,
                     connect_timeout_s=settings.openai_connect_timeout_s,
                     read_timeout_s=settings.openai_read_timeout_s,  # also the longest gap in a stream
                     # One connection per call in progress: as many as the gates of the
