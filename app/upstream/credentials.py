@@ -170,7 +170,7 @@ class RefreshingToken(Credential):
             self._refresh_from = now + min(self._retry_s, max(0.0, left) / 2)
             return
         now = self._clock()
-        if before is not None and token.expires_at <= before.expires_at:
+        if before is not None and token.value == before.value:
             # The service (or its library's cache) gave the same token: asked again later.
             self._refresh_from = now + min(self._retry_s, max(0.0, self._usable_until - now) / 2)
             return
