@@ -208,3 +208,48 @@ async def test_a_failed_refresh_takes_the_deployment_out_and_scans_go_to_another
             after = await scans_for(svc, 0.5, workers=2)
     assert failed(after) == []
     assert "entra" in {o.terminal.data["upstreams"]["answer"] for o in after}
+
+
+async def test_a_token_service_that_is_down_takes_vertex_out_and_scans_go_to_the_api_key(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(app.upstream.client, "CREDENTIAL_RETRY_S", 0.5)
+    monkeypatch.setattr(app.upstream.probes, "CREDENTIAL_RETRY_S", 0.5)
+    keyed = SimConfig(flavor="gemini", api_key="sk-gemini-api", **FAST)
+    async with (
+        run_token_issuer(SECRET, 3600) as issuer,
+        run_simulator(token_sim("gemini")) as vertex,
+        run_simulator(keyed) as gemini,
+    ):
+        google_service_account(issuer, tmp_path, monkeypatch)
+        issuer.listener.stop()  # nobody listens: every token request is refused a connection
+        base_url = f"{vertex.url}/v1/projects/ecoscan-test/locations/europe-west4/endpoints/openapi"
+        deployments = [
+            listed("vertex", "gemini", "vertex_ai", base_url, "google/gemini-2.5-flash"),
+            listed(
+                "gemini-api",
+                "gemini",
+                "key",
+                f"{gemini.url}/v1beta/openai/",
+                "gemini-2.5-flash",
+                api_key_env="KEY_GEMINI_API",
+                priority=1,
+            ),
+        ]
+        async with routed_service(database_url, sim, monkeypatch, deployments) as svc:
+            during = await scans_for(svc, 1.0, workers=2)
+            ready = (await svc.client.get("/readyz")).json()
+            assert re.fullmatch(
+                r"out for \d+ s more \(no credential\)", ready["checks"]["upstreams"]["vertex"]
+            )
+            await issuer.listener.resume()
+            back = {"upstream": "vertex", "outcome": "ok"}
+            assert await eventually(
+                lambda: svc.metric("ecoscan_upstream_probes_total", back) >= 1, attempts=1000
+            )
+            after = await scans_for(svc, 0.5, workers=2)
+            vertex_calls = (await sim_stats(vertex))["requests_total"]
+    assert during and failed(during) == []
+    assert {o.terminal.data["upstreams"]["answer"] for o in during} == {"gemini-api"}
+    assert failed(after) == [] and vertex_calls > 0
+    assert "vertex" in {o.terminal.data["upstreams"]["answer"] for o in after}
