@@ -11,15 +11,11 @@ carry only `prompt_filter_results`, with empty `choices` (app/upstream/wire.py r
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from app.upstream.credentials import Credential, RefreshingToken, Token
 from app.upstream.providers import register
-from app.upstream.providers.base import KEY, Provider
-
-if TYPE_CHECKING:
-    from app.upstream.deployments import Deployment
+from app.upstream.providers.base import KEY, Deployment, Provider
 
 ENTRA_ID = "entra_id"
 # What a token for Azure OpenAI (Azure AI services) is asked for.

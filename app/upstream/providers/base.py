@@ -9,16 +9,31 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from app.limits.retry import retry_after_from_headers
 from app.upstream.credentials import Credential, StaticHeaders
 from app.upstream.tokens import ImageBilling
 
-if TYPE_CHECKING:  # deployments.py checks a deployment against the registered providers
-    from app.upstream.deployments import Deployment
-
 KEY = "key"
+
+
+class Deployment(Protocol):
+    """What a provider reads of a deployment (`Deployment` in app/upstream/deployments.py,
+    which checks each against the registered providers: not imported here, so no cycle)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def base_url(self) -> str: ...
+    @property
+    def auth(self) -> str: ...
+    @property
+    def api_key_env(self) -> str | None: ...
+    @property
+    def api_key(self) -> str | None: ...
+    @property
+    def api_version(self) -> str | None: ...
 
 
 @dataclass(frozen=True)

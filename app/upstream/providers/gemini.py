@@ -16,15 +16,12 @@ import importlib.util
 import time
 from collections.abc import Mapping
 from datetime import UTC
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from app.upstream.credentials import TOKEN_WAIT_S, Credential, RefreshingToken, Token
 from app.upstream.providers import register
-from app.upstream.providers.base import KEY, ErrorInfo, Provider
+from app.upstream.providers.base import KEY, Deployment, ErrorInfo, Provider
 from app.upstream.tokens import GeminiTiles, ImageBilling
-
-if TYPE_CHECKING:
-    from app.upstream.deployments import Deployment
 
 RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
 QUOTA_FAILURE = "type.googleapis.com/google.rpc.QuotaFailure"
