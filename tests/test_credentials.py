@@ -169,3 +169,13 @@ def test_each_provider_checks_the_auth_it_takes(entry: dict[str, Any], message: 
 def test_a_token_deployment_names_no_key() -> None:
     parsed({"provider": "azure", "auth": "entra_id"})
     parsed({"provider": "gemini", "auth": "vertex_ai"})
+
+
+def test_a_vertex_model_name_is_its_models_profile_and_price() -> None:
+    """Vertex AI names Gemini `google/gemini-2.5-flash`: the publisher aside, the same model."""
+    from app.upstream.prices import DEFAULT_PRICES, price_of
+    from app.upstream.profiles import DEFAULT_PROFILE, profile_for
+
+    assert profile_for("google/gemini-2.5-flash") == profile_for("gemini-2.5-flash") != DEFAULT_PROFILE
+    assert price_of("google/gemini-2.5-flash", DEFAULT_PRICES) == DEFAULT_PRICES["gemini-2.5-flash"]
+    assert price_of("google/unknown-model", DEFAULT_PRICES) is None

@@ -27,6 +27,9 @@ from prometheus_client import (
     generate_latest,
 )
 
+# A scan costs fractions of a cent (gpt-4o-mini: ~$0.0006), a reasoning model's more.
+COST_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+
 # LLM calls take seconds; the library's default buckets stop at 10 s.
 LATENCY_BUCKETS = (
     0.005,
@@ -71,6 +74,7 @@ class Metrics:
         self._declare_admission_and_lifecycle_metrics()
         self._declare_cache_metrics()
         self._declare_loop_capacity_metrics()
+        self._declare_cost_metrics()
 
     def _declare_process_collectors(self) -> None:
         """The library's process, platform and GC collectors."""
@@ -574,6 +578,30 @@ class Metrics:
             "ecoscan_cache_bytes",
             "Bytes of keys and replies held by the cache (UTF-8).",
             ["cache"],
+            registry=r,
+        )
+
+    def _declare_cost_metrics(self) -> None:
+        """What the upstream calls cost, priced from their usage (app/upstream/prices.py)."""
+        r = self.registry
+        self.upstream_cost = Counter(
+            "ecoscan_upstream_cost_usd_total",
+            "USD the upstream calls cost, priced from the usage each reply reported (retries and "
+            "hedges included), by deployment and model.",
+            ["deployment", "model"],
+            registry=r,
+        )
+        self.upstream_unpriced = Counter(
+            "ecoscan_upstream_unpriced_calls_total",
+            "Replies with usage from a model with no price (its scans' cost is unknown), by deployment"
+            " and model.",
+            ["deployment", "model"],
+            registry=r,
+        )
+        self.scan_cost = Histogram(
+            "ecoscan_scan_cost_usd",
+            "What one ended scan's upstream calls cost, USD (scans with an unpriced call not included).",
+            buckets=COST_BUCKETS,
             registry=r,
         )
 

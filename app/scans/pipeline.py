@@ -51,6 +51,7 @@ from app.scans.runner import ScanProgress, StageRunner
 from app.scans.store import ScanStore, TerminalRow
 from app.stages.context import AcceptedScan, ScanContext
 from app.upstream.call import safety_identifier
+from app.upstream.prices import ScanSpend
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class ScanPipeline:
         started = time.perf_counter()
         self._metrics.scans_in_flight.inc()
         outcome = "failed"
+        spend = ScanSpend.start()  # this task's calls (and its hedges') add to it
         try:
             run.started = True
             if run.cancel_requested:
@@ -204,6 +206,8 @@ class ScanPipeline:
             elapsed = time.perf_counter() - started
             self._metrics.scans_in_flight.dec()
             self._metrics.scan_duration.labels(outcome).observe(elapsed)
+            if spend.total_usd is not None:
+                self._metrics.scan_cost.observe(spend.total_usd)
             if self._on_finished is not None and outcome == "completed":
                 self._on_finished(elapsed)
 
@@ -261,7 +265,7 @@ class ScanPipeline:
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
         done = events.next_entry(ScanDone("done", progress.result, progress.timings), 100)
         stored_log = events.to_json(done)
-        row = TerminalRow("completed", progress.result, progress.timings, events=stored_log)
+        row = TerminalRow("completed", progress.result, progress.timings, events=stored_log, cost_usd=_cost())
         delay = COMMIT_FIRST_RETRY_S
         while True:
             try:
@@ -313,7 +317,12 @@ class ScanPipeline:
         )
         stored_log = events.to_json(terminal)
         row = TerminalRow(
-            status, progress.result, progress.timings, (step, error.code, error.message), events=stored_log
+            status,
+            progress.result,
+            progress.timings,
+            (step, error.code, error.message),
+            events=stored_log,
+            cost_usd=_cost(),
         )
         writing = asyncio.create_task(self._write_terminal_row(scan, row))
         # Held until done: a write that outlives a cancelled scan must not be collected.
@@ -336,6 +345,12 @@ class ScanPipeline:
             self._store.defer(scan.id, row)
         except ProcessLost:
             log.error("scan %s: its row is missing", scan.id)
+
+
+def _cost() -> float | None:
+    """What the running scan's calls cost so far (read in its own task)."""
+    spend = ScanSpend.current.get()
+    return None if spend is None else spend.total_usd
 
 
 def _ms(seconds: float) -> float:

@@ -50,6 +50,7 @@ from app.upstream.credentials import CredentialUnavailable
 from app.upstream.endpoint import StallWatch, until_eof
 from app.upstream.hedging import HedgePolicy, claim, race, sending, take_over
 from app.upstream.negotiation import NEGOTIATION_WAIT_S, NO_WAIT, Trial
+from app.upstream.prices import Pricing
 from app.upstream.probes import wait_for_return
 from app.upstream.routes import NoRoute, Route, Router
 from app.upstream.wire import (
@@ -127,6 +128,8 @@ class Upstream:
         self._retry = retry
         self._metrics = metrics
         self._clock = clock
+        # What each call cost (app/upstream/prices.py).
+        self._pricing = Pricing(((r.name, r.model, r.deployment.prices) for r in router.routes), metrics)
         # Every budget, by its key (limit group and model), once each.
         self.budgets: dict[str, RateBudget] = {}
         for route in router.routes:
@@ -617,6 +620,7 @@ class Upstream:
         by_deployment = self._metrics.upstream_prompt_tokens  # a provider's prompt cache is its own
         by_deployment.labels(route.name, call.stage, "prompt").inc(usage[0])
         by_deployment.labels(route.name, call.stage, "cached").inc(usage[3])
+        self._pricing.charge(route.name, call.model, usage)
 
     def _transport_failure(
         self,

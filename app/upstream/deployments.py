@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from app.upstream.prices import Price
 from app.upstream.providers import PROVIDERS
 
 STAGES = ("vision", "answer")
@@ -49,6 +50,8 @@ class Deployment:
     token_param: str | None = None  # None: the model profile's choice
     auth: str = "key"  # how it proves who calls: its provider's `auths`
     api_key: str | None = field(default=None, repr=False, compare=False)  # resolved, never listed
+    # USD per 1M tokens by model, over the defaults (app/upstream/prices.py).
+    prices: Mapping[str, Price] = field(default_factory=dict, compare=False)
 
     def model_for(self, stage: str) -> str | None:
         return self.vision_model if stage == "vision" else self.answer_model
@@ -145,6 +148,7 @@ def _deployment(source: str, index: int, entry: object, environ: Mapping[str, st
     for name in ("rpm", "tpm"):
         values[name] = _count(where, name, entry[name], minimum=1)
     values["priority"] = _count(where, "priority", entry.get("priority", 0), minimum=0)
+    values["prices"] = _prices(where, entry.get("prices", {}))
     deployment = Deployment(**values)
     _check(where, deployment)
     return deployment if environ is None else with_key(deployment, environ)
@@ -190,3 +194,24 @@ def _count(where: str, name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise DeploymentError(f"{where}: {name}: an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _prices(where: str, value: object) -> dict[str, Price]:
+    """`{"<model>": {"input": .., "cached_input": .., "output": ..}}`, USD per 1M tokens;
+    `cached_input` defaults to `input` (no discount known)."""
+    if not isinstance(value, dict):
+        raise DeploymentError(f"{where}: prices: an object of models, got {value!r}")
+    prices = {}
+    for model, rates in value.items():
+        at = f"{where}: prices.{model}"
+        if not isinstance(rates, dict) or not {"input", "output"} <= set(rates) <= set(_RATES):
+            raise DeploymentError(f"{at}: an object of {', '.join(_RATES)} (input and output required)")
+        for name, rate in rates.items():
+            if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < float("inf"):
+                raise DeploymentError(f"{at}.{name}: USD per 1M tokens, a number >= 0, got {rate!r}")
+        cached = rates["cached_input"] if "cached_input" in rates else rates["input"]
+        prices[model] = Price(float(rates["input"]), float(cached), float(rates["output"]))
+    return prices
+
+
+_RATES = ("input", "cached_input", "output")
