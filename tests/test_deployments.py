@@ -55,7 +55,7 @@ def test_neither_setting_means_the_implicit_deployment() -> None:
     [
         (
             {"provider": "anthropic"},
-            "deployment 'openai-a': provider: one of openai, azure, gemini, compatible",
+            "deployment 'openai-a': provider: one of azure, compatible, gemini, openai",
         ),
         ({"rpm": 0}, "deployment 'openai-a': rpm: an integer >= 1"),
         ({"tpm": "lots"}, "deployment 'openai-a': tpm: an integer >= 1"),
@@ -63,7 +63,7 @@ def test_neither_setting_means_the_implicit_deployment() -> None:
         ({"base_url": "ftp://x"}, "deployment 'openai-a': base_url: an http"),
         ({"vision_model": None, "answer_model": None}, "deployment 'openai-a': vision_model / answer_model"),
         ({"api_key_env": None}, "deployment 'openai-a': api_key_env: required for provider 'openai'"),
-        ({"api_version": "2024-10-21"}, "deployment 'openai-a': api_version: only for provider 'azure'"),
+        ({"api_version": "2024-10-21"}, "deployment 'openai-a': api_version: not for provider 'openai'"),
         ({"token_param": "max_output_tokens"}, "deployment 'openai-a': token_param: one of"),
         ({"api_key": "sk-in-the-file"}, "deployment 'openai-a': unknown field(s) api_key"),
     ],

@@ -35,6 +35,7 @@ from app.stages.base import CallingStageClass, StageClass
 from app.upstream.affinity import PrefixAffinity
 from app.upstream.breaker import Breaker
 from app.upstream.client import Upstream
+from app.upstream.credentials import Credential
 from app.upstream.deployments import Deployment, DeploymentError, check_deployments, with_key
 from app.upstream.endpoint import ChatEndpoint
 from app.upstream.hedging import HedgeBudget, HedgePolicy
@@ -137,6 +138,8 @@ class _RouteParts:
         """One route per calling stage `d` names a model for."""
         s = self._settings
         provider = PROVIDERS[d.provider]
+        credential = provider.credential(d)  # one per deployment: its token, if it has one
+        self._stack.push_async_callback(bounded_close, f"credential of {d.name}", credential.aclose)
         breaker = self.breakers[d.health_id()] = Breaker(
             d.name, open_base_s=s.upstream_open_s, open_max_s=s.upstream_probe_max_s
         )
@@ -150,7 +153,7 @@ class _RouteParts:
             if key not in self.budgets:
                 self.budgets[key] = self._budget(key, (d.rpm, d.tpm), provider.rate_headers)
             if (d.name, model) not in self._endpoints:
-                self._connect(d, model)
+                self._connect(d, model, credential)
             shape = call.shape(model=model, token_param=d.token_param or s.openai_token_param)
             endpoint, negotiation = self._endpoints[(d.name, model)], self._negotiations[(d.name, model)]
             limit = _route_limit(self._gates[stage])
@@ -159,11 +162,11 @@ class _RouteParts:
             )
         return routes
 
-    def _connect(self, d: Deployment, model: str) -> None:
+    def _connect(self, d: Deployment, model: str, credential: Credential) -> None:
         s, provider = self._settings, PROVIDERS[d.provider]
         endpoint = ChatEndpoint.open(
             provider.chat_url(d, model),
-            provider.auth_headers(d),
+            credential,
             connect_timeout_s=s.openai_connect_timeout_s,
             read_timeout_s=s.openai_read_timeout_s,  # also the longest gap in a stream
             # One connection per call in progress: as many as the gates of the stages it

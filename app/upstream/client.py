@@ -44,8 +44,9 @@ from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
 from app.limits.timeouts import Deadline, ElasticDeadline, deadline_of
 from app.runtime.metrics import Metrics
-from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
+from app.upstream.breaker import CLOSED, CREDENTIAL_REASON, CREDENTIAL_RETRY_S, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
+from app.upstream.credentials import CredentialUnavailable
 from app.upstream.endpoint import StallWatch, until_eof
 from app.upstream.hedging import HedgePolicy, claim, race, sending, take_over
 from app.upstream.negotiation import NEGOTIATION_WAIT_S, NO_WAIT, Trial
@@ -556,6 +557,8 @@ class Upstream:
                 response.release()
         except aiohttp.ClientError as exc:  # its timeouts (connect, pool, read) included
             raise self._transport_failure(route, call, reservation, exc, result, sent_at) from exc
+        except CredentialUnavailable as exc:
+            raise self._credential_failure(route, reservation, exc) from None
         if usage is not None:
             self._settle(route, call, reservation, usage, result)
         check_finish(call, result)
@@ -645,6 +648,16 @@ class Upstream:
             return AttemptFailed(UpstreamTimeout(), retry=True, reason="timeout")
         return AttemptFailed(UpstreamError(), retry=True, reason="connection")
 
+    def _credential_failure(
+        self, route: Route, reservation: Reservation, exc: CredentialUnavailable
+    ) -> AttemptFailed:
+        """No token to send (app/upstream/credentials.py): the request never left; the
+        deployment is out as for a refused key, until its probe gets a token."""
+        reservation.settle(None)
+        log.error("upstream %s: %s", route.name, exc)
+        route.breaker.take_out(self._clock.now(), CREDENTIAL_REASON, CREDENTIAL_RETRY_S)
+        return AttemptFailed(UpstreamRejected(REJECTED_KEY_MESSAGE), retry=True, reason="credential")
+
     def _status_failure(
         self,
         route: Route,
@@ -682,6 +695,8 @@ class Upstream:
             # The provider's words go to the log only: the breaker's reason is shown by
             # /readyz and shared through Redis, so it is a code (`refused 401`).
             log.error("upstream %s refused the %s call with %d: %s", route.name, call.stage, status, message)
+            if status == 401 and route.endpoint.credential is not None:
+                route.endpoint.credential.refused()  # its probe sends a new token
             route.breaker.take_out(now, f"refused {status}", OUT_RETRY_S)
             # Another deployment may take the call; with none left, the scan ends here.
             return AttemptFailed(UpstreamRejected(REJECTED_KEY_MESSAGE), retry=True, reason=status_class)

@@ -3,7 +3,9 @@ with the limits its provider enforces.
 
 `UPSTREAMS` (a JSON array) or `UPSTREAMS_FILE` (a TOML file of `[[upstream]]` tables)
 list them; with neither, the `OPENAI_*` settings are one implicit deployment. Keys never
-sit in the list: `api_key_env` names the environment variable that holds one.
+sit in the list: `api_key_env` names the environment variable that holds one; `auth`
+says how else a deployment proves who calls (a token its provider's library fetches:
+app/upstream/providers/, credentials.py).
 
 A deployment's limits are its provider's for each of its models. Deployments that share
 a `limit_group` share its limits: two keys of one OpenAI organisation (or project) are
@@ -27,8 +29,8 @@ from urllib.parse import urlsplit
 
 from app.runtime.redaction import redact_url
 from app.upstream.prices import Price
+from app.upstream.providers import PROVIDERS
 
-PROVIDERS = ("openai", "azure", "gemini", "compatible")
 STAGES = ("vision", "answer")  # the calling stages every list must serve (the lifespan checks its own)
 TOKEN_PARAMS = ("max_completion_tokens", "max_tokens")
 
@@ -52,6 +54,7 @@ class Deployment:
     api_version: str | None = None  # Azure's classic layout (/openai/deployments/...?api-version=)
     token_param: str | None = None  # None: the model profile's choice
     models: tuple[tuple[str, str], ...] = ()  # (stage, model), vision_model and answer_model folded in
+    auth: str = "key"  # how it proves who calls: its provider's `auths`
     api_key: str | None = field(default=None, repr=False, compare=False)  # resolved, never listed
     # USD per 1M tokens by model, over the defaults (app/upstream/prices.py).
     prices: Mapping[str, Price] = field(default_factory=dict, compare=False)
@@ -159,8 +162,9 @@ def _deployment(source: str, index: int, entry: object, environ: Mapping[str, st
     values: dict[str, Any] = {}
     for name in ("name", "provider", "base_url", "api_key_env", "vision_model", "answer_model"):
         values[name] = _text(where, name, entry.get(name))
-    for name in ("limit_group", "api_version", "token_param"):
+    for name in ("limit_group", "api_version", "token_param", "auth"):
         values[name] = _text(where, name, entry.get(name))
+    values["auth"] = values["auth"] or "key"
     values["limit_group"] = values["limit_group"] or values["name"]
     for name in ("rpm", "tpm"):
         values[name] = _count(where, name, entry[name], minimum=1)
@@ -173,7 +177,8 @@ def _deployment(source: str, index: int, entry: object, environ: Mapping[str, st
 
 
 def _check(where: str, d: Deployment) -> None:
-    if d.provider not in PROVIDERS:
+    provider = PROVIDERS.get(d.provider)
+    if provider is None:
         raise DeploymentError(f"{where}: provider: one of {', '.join(PROVIDERS)}, got {d.provider!r}")
     parts = urlsplit(d.base_url)
     if parts.scheme not in ("https", "http") or not parts.hostname:
@@ -184,10 +189,9 @@ def _check(where: str, d: Deployment) -> None:
         raise DeploymentError(
             f"{where}: token_param: one of {', '.join(TOKEN_PARAMS)}, got {d.token_param!r}"
         )
-    if d.api_key_env is None and d.provider != "compatible":
-        raise DeploymentError(f"{where}: api_key_env: required for provider {d.provider!r}")
-    if d.api_version is not None and d.provider != "azure":
-        raise DeploymentError(f"{where}: api_version: only for provider 'azure'")
+    problem = provider.check(d)
+    if problem is not None:
+        raise DeploymentError(f"{where}: {problem}")
 
 
 def with_key(d: Deployment, environ: Mapping[str, str]) -> Deployment:

@@ -68,7 +68,11 @@ DEFAULT_PRICES: Mapping[str, Price] = {
 
 def price_of(model: str, prices: Mapping[str, Price]) -> Price | None:
     """`model`'s price in `prices`: by its name, or a dated snapshot's
-    (`gpt-4o-mini-2024-07-18` is `gpt-4o-mini`)."""
+    (`gpt-4o-mini-2024-07-18` is `gpt-4o-mini`); a publisher's prefix aside (Vertex AI's
+    `google/gemini-2.5-flash` is `gemini-2.5-flash`, at the same list price)."""
+    if model in prices:
+        return prices[model]
+    model = model.rpartition("/")[2]
     if model in prices:
         return prices[model]
     dated = [name for name in prices if model.startswith(f"{name}-20")]
