@@ -8,6 +8,7 @@ docs/configuration.md's table lists them all (keep the two in step).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from app.limits.sizing import LimitSpec
 from app.runtime.redaction import redact_url
 from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
 from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
+from app.upstream.reply_cache import CacheLimits
+from app.upstream.stage_call import StageCall
 
 AUTH_MODES = ("gateway", "jwt")
 # RFC 7518 §3.2: an HS256 key at least as long as its hash output.
@@ -81,6 +84,9 @@ class Settings:
     openai_read_timeout_s: float = 20.0
     vision_timeout_s: float = 30.0
     answer_timeout_s: float = 45.0
+    # Any other calling stage's call (app/upstream/stage_call.py): a JSON object of stage
+    # names to the fields they change, e.g. {"moderation": {"model": "gpt-4o-mini"}}.
+    stage_calls: str | None = None
 
     # --- budgets, concurrency, admission (app/limits) -------------------------------
     openai_rpm: int = 500
@@ -252,6 +258,7 @@ class Settings:
         if not 1 <= self.max_items <= MAX_ITEMS_CEILING:
             raise SettingsError(f"MAX_ITEMS must be between 1 and {MAX_ITEMS_CEILING}, got {self.max_items}")
         self._check_charges()
+        self._stage_call_overrides()
         self._check_models()
         self._check_redis()
         self._check_identity()
@@ -377,6 +384,60 @@ class Settings:
             except ValueError as exc:
                 names = f"{stage.upper()}_MODEL / {stage.upper()}_REASONING_EFFORT / OPENAI_TOKEN_PARAM"
                 raise SettingsError(f"{names}: {exc}") from None
+
+    def stage_call(self, declared: StageCall) -> StageCall:
+        """A calling stage's call as set: the vision and answer stages' from their
+        `VISION_*` / `ANSWER_*` variables, any other's from its `STAGE_CALLS` entry over
+        what it declares."""
+        if declared.stage == "vision":
+            return dataclasses.replace(
+                declared,
+                model=self.vision_model,
+                max_tokens=self.vision_output_tokens,
+                reasoning_effort=self.vision_reasoning_effort,
+                detail=self.vision_detail,
+                timeout_s=self.vision_timeout_s,
+                cache=CacheLimits(
+                    self.vision_cache_entries, self.vision_cache_bytes, self.vision_cache_ttl_s
+                ),
+                concurrency=self.limit("vision_concurrency"),
+            )
+        if declared.stage == "answer":
+            return dataclasses.replace(
+                declared,
+                model=self.answer_model,
+                max_tokens=self.answer_max_tokens,
+                reasoning_effort=self.answer_reasoning_effort,
+                timeout_s=self.answer_timeout_s,
+                cache=CacheLimits(
+                    self.answer_cache_entries, self.answer_cache_bytes, self.answer_cache_ttl_s
+                ),
+                concurrency=self.limit("answer_concurrency"),
+            )
+        given = self._stage_call_overrides().get(declared.stage)
+        try:
+            return declared.overridden(given or {})
+        except ValueError as exc:
+            raise SettingsError(f"STAGE_CALLS {declared.stage}: {exc}") from None
+
+    def _stage_call_overrides(self) -> dict[str, dict[str, Any]]:
+        """STAGE_CALLS parsed; each entry checked against a call's defaults."""
+        if not self.stage_calls:
+            return {}
+        try:
+            given = json.loads(self.stage_calls)
+        except ValueError as exc:
+            raise SettingsError(f"STAGE_CALLS is not JSON: {exc}") from None
+        if not isinstance(given, dict) or not all(isinstance(v, dict) for v in given.values()):
+            raise SettingsError("STAGE_CALLS must be a JSON object of stage names to objects of fields")
+        for stage, fields in given.items():
+            if stage in ("vision", "answer"):
+                raise SettingsError(f"STAGE_CALLS {stage}: set the {stage.upper()}_* variables instead")
+            try:
+                StageCall(stage).overridden(fields)
+            except ValueError as exc:
+                raise SettingsError(f"STAGE_CALLS {stage}: {exc}") from None
+        return given
 
     def call_shape(
         self, stage: str, *, model: str | None = None, token_param: str | None = None

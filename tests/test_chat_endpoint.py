@@ -24,7 +24,7 @@ async def open_for(d: Deployment, model: str = "m") -> ChatEndpoint:
     provider = PROVIDERS[d.provider]
     return ChatEndpoint.open(
         provider.chat_url(d, model),
-        provider.auth_headers(d),
+        provider.credential(d),
         connect_timeout_s=2,
         read_timeout_s=7,
         max_connections=4,

@@ -1,11 +1,17 @@
 """deploy/compose.yaml brought up for real, on images built here from Debian packages
-(no registry), under a project name of its own, and taken down with its volumes after.
+(Phoenix's from PyPI; no image registry), under a project name of its own, and taken
+down with its volumes after.
 
-1. The stack comes up: three replicas behind the balancer, PostgreSQL, Redis and
-   Prometheus, every one healthy; no secret is in any container's environment.
+1. The stack comes up: three replicas behind the balancer, PostgreSQL, Redis, Prometheus
+   and Phoenix (the trace backend), every one healthy; no secret is in any container's
+   environment.
    Every line of the replicas' env file is in each replica's environment.
 2. Scans through the balancer complete and are spread over the replicas; Prometheus
    scrapes all three (its targets, and `up`) and has loaded the alerting rules.
+   Phoenix takes an OTLP/HTTP export from this process (on its published port) and from
+   a replica (to the replica's own OTEL_EXPORTER_OTLP_ENDPOINT), and lists both spans
+   through its API; Prometheus runs with exemplar storage, and keeps the exemplars of
+   ecoscan_scan_duration_seconds whose trace Phoenix has, when the replicas attach any.
 3. A replica is SIGKILLed while it streams a scan's answer, and the client reads on
    through the balancer from another replica with `Last-Event-ID`: the other replica
    follows the scan's Redis Stream, so the client gets every event the owner had mirrored
@@ -59,6 +65,7 @@ import httpx
 import jwt
 import pytest
 
+from . import trace_backend
 from .conftest import SCAN_URL, Event, data_url, make_jpeg
 from .service_process import free_port
 
@@ -70,7 +77,7 @@ DEPLOY = REPO / "deploy"
 PROJECT = "ecoscan-compose-test"
 REPLICAS = 3
 IMAGE_TAG = "compose-test"
-SERVICES = ("ecoscan", "lb", "postgres", "redis", "prometheus")
+SERVICES = ("ecoscan", "lb", "postgres", "redis", "prometheus", "phoenix")
 BUILD_TIMEOUT_S = 900.0
 UP_TIMEOUT_S = 300.0
 HEALTHY_TIMEOUT_S = 180.0
@@ -168,6 +175,7 @@ class Stack:
     env: dict[str, str]
     url: str
     prometheus_url: str
+    phoenix_url: str
     secrets: Path
     base_image: str
     timings: dict[str, float] = field(default_factory=dict)
@@ -279,7 +287,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     no_dotenv.write_text("")
     subnet = _free_subnet()
     hosts = list(subnet.hosts())
-    port, prometheus_port = free_port(), free_port()
+    port, prometheus_port, phoenix_port = free_port(), free_port(), free_port()
     env = {
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", str(work)),
@@ -291,13 +299,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
         "ECOSCAN_ENV_FILE": str(settings),
         "ECOSCAN_PORT": f"127.0.0.1:{port}",
         "PROMETHEUS_PORT": str(prometheus_port),
+        "PHOENIX_PORT": str(phoenix_port),
         "ECOSCAN_SUBNET": str(subnet),
         "ECOSCAN_DYNAMIC_RANGE": str(ipaddress.ip_network(f"{hosts[127]}/25", strict=False)),
         "ECOSCAN_LB_IP": str(hosts[9]),
     }
     command = [*compose, "--env-file", str(no_dotenv), "-p", PROJECT, "-f", str(DEPLOY / "compose.yaml")]
     running = Stack(
-        command, env, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prometheus_port}", secrets, base
+        command,
+        env,
+        f"http://127.0.0.1:{port}",
+        f"http://127.0.0.1:{prometheus_port}",
+        f"http://127.0.0.1:{phoenix_port}",
+        secrets,
+        base,
     )
     running.timings["base image"] = base_s
     failed_before = request.session.testsfailed
@@ -443,6 +458,83 @@ async def _eventually_targets(stack: Stack, replicas: set[str]) -> dict[str, str
         within_s=90,
     )
     return targets
+
+
+# Run by a replica's own Python: an OTLP/HTTP export (the body on standard input) to the
+# endpoint its environment names, as its exporter sends.
+POST_FROM_REPLICA = (
+    "import os, sys, urllib.request\n"
+    "url = os.environ['OTEL_EXPORTER_OTLP_ENDPOINT'].rstrip('/') + '/v1/traces'\n"
+    "body = sys.stdin.buffer.read()\n"
+    "request = urllib.request.Request(url, body, {'Content-Type': 'application/x-protobuf'})\n"
+    "print(urllib.request.urlopen(request, timeout=10).status)\n"
+)
+# A replica's /metrics as Prometheus asks for it: OpenMetrics, the format with exemplars.
+OPENMETRICS_FROM_REPLICA = (
+    "import urllib.request\n"
+    "accept = {'Accept': 'application/openmetrics-text; version=1.0.0'}\n"
+    "request = urllib.request.Request('http://127.0.0.1:8000/metrics', headers=accept)\n"
+    "print(urllib.request.urlopen(request, timeout=10).read().decode())\n"
+)
+EXEMPLAR = re.compile(r'^ecoscan_scan_duration_seconds_bucket\{.*\} \S+ # \{trace_id="([0-9a-f]{32})"', re.M)
+
+
+async def _exemplar_trace_ids(stack: Stack) -> set[str]:
+    """The trace_ids of the exemplars Prometheus keeps for the scan-duration histogram."""
+    now = time.time()
+    params: dict[str, str | float] = {
+        "query": "ecoscan_scan_duration_seconds_bucket",
+        "start": now - 3600,
+        "end": now,
+    }
+    async with httpx.AsyncClient(base_url=stack.prometheus_url, timeout=10) as client:
+        response = await client.get("/api/v1/query_exemplars", params=params)
+    response.raise_for_status()
+    return {e["labels"]["trace_id"] for series in response.json()["data"] for e in series["exemplars"]}
+
+
+async def test_phoenix_takes_the_replicas_traces_and_prometheus_keeps_exemplars(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After the scans above. The trace backend's image takes OTLP/HTTP protobuf, from this
+    process on its published port and from a replica at the endpoint the replica's
+    settings name, and its API lists both spans. Prometheus runs with exemplar storage;
+    when the replicas attach exemplars to the scan-duration histogram (a service that
+    traces), Prometheus has them and Phoenix has their traces: Grafana's link."""
+    span, trace_id = trace_backend.make_span("compose-test.export")
+    await asyncio.to_thread(trace_backend.export, stack.phoenix_url, span)
+    (found,) = await asyncio.to_thread(trace_backend.find_spans, stack.phoenix_url, trace_id)
+    assert found["name"] == "compose-test.export" and found["trace_id"] == trace_id
+
+    replica = stack.containers("ecoscan")[0]
+    sent, sent_trace = trace_backend.make_span("compose-test.from-replica")
+    posted = await asyncio.to_thread(
+        subprocess.run,
+        ["docker", "exec", "-i", replica, "python", "-c", POST_FROM_REPLICA],
+        input=trace_backend.encoded(sent),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert posted.returncode == 0 and posted.stdout.strip() == b"200", posted
+    await asyncio.to_thread(trace_backend.find_spans, stack.phoenix_url, sent_trace)
+
+    async with httpx.AsyncClient(base_url=stack.prometheus_url, timeout=10) as prometheus:
+        flags = (await prometheus.get("/api/v1/status/flags")).json()["data"]
+    assert "exemplar-storage" in flags["enable-feature"].split(","), flags
+
+    exposition = _checked(["docker", "exec", replica, "python", "-c", OPENMETRICS_FROM_REPLICA])
+    attached = set(EXEMPLAR.findall(exposition))
+    linked = "the replicas attach no exemplar (a service without tracing)"
+    if attached:
+        kept = await _eventually(
+            lambda: _exemplar_trace_ids(stack), lambda ids: attached & ids, "exemplars in Prometheus", 60
+        )
+        linked_trace = sorted(attached & kept)[0]
+        spans = await asyncio.to_thread(trace_backend.find_spans, stack.phoenix_url, linked_trace)
+        linked = f"exemplar trace {linked_trace}: {len(spans)} spans in Phoenix"
+    with capsys.disabled():
+        print(f"\n[compose] Phoenix: spans {trace_id} (this process), {sent_trace} (a replica); {linked}")
 
 
 @dataclass

@@ -77,9 +77,29 @@ K8S = DEPLOY / "k8s"
 K8S_BASE = K8S / "base"
 K8S_DEV = K8S / "overlays" / "dev"
 K8S_MONITORING = K8S / "monitoring"
-KUSTOMIZATIONS = (K8S_BASE, K8S_DEV, K8S_MONITORING)
+K8S_TRACING = K8S / "tracing"
+KUSTOMIZATIONS = (K8S_BASE, K8S_DEV, K8S_MONITORING, K8S_TRACING)
 DEV_NAMESPACE = "ecoscan-dev"
 DOCKERFILE = REPO / "Dockerfile"
+# The trace backend's image (Arize Phoenix), its port (OTLP/HTTP and UI) and its user.
+PHOENIX_IMAGE = DEPLOY / "images" / "phoenix"
+PHOENIX_PORT = 6006
+PHOENIX_UID = 10002
+# OTLP/HTTP's registered port: Tempo, Jaeger, a Collector, the Datadog Agent.
+OTLP_HTTP_PORT = 4318
+# The OpenTelemetry SDK's samplers (OTEL_TRACES_SAMPLER), as the specification names them.
+OTEL_SAMPLERS = frozenset(
+    {
+        "always_on",
+        "always_off",
+        "traceidratio",
+        "parentbased_always_on",
+        "parentbased_always_off",
+        "parentbased_traceidratio",
+    }
+)
+# The exemplar label the replicas put on ecoscan_scan_duration_seconds.
+EXEMPLAR_TRACE_LABEL = "trace_id"
 PROMETHEUS_OPERATOR_API = "monitoring.coreos.com/v1"
 # Pods at all times (the autoscaler's minimum).
 REPLICAS = 3
@@ -208,9 +228,18 @@ def settings_env_names() -> set[str]:
     return names | {f"{env_name(name)}_FILE" for name in FILE_SETTINGS} | {"FORWARDED_ALLOW_IPS"}
 
 
+# The OpenTelemetry SDK's own variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME,
+# the sampler...): the standard names, read by the SDK, not by Settings.
+OTEL_PREFIX = "OTEL_"
+
+
 def settings_from(env: Mapping[str, str], where: str) -> Settings:
     """Settings as the service would read them from `env`; unknown names are mistakes."""
-    unknown = {k for k in env if k not in settings_env_names() and not k.startswith("SIM_")}
+    unknown = {
+        k
+        for k in env
+        if k not in settings_env_names() and not k.startswith("SIM_") and not k.startswith(OTEL_PREFIX)
+    }
     assert not unknown, f"{where}: not settings the service reads (misspelt?): {sorted(unknown)}"
     try:
         return Settings.from_env(env)
@@ -336,7 +365,7 @@ def test_compose_file_matches_the_compose_specification() -> None:
 
 def test_compose_stack_has_its_services_wired_together(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert {"ecoscan", "lb", "postgres", "redis", "prometheus", "grafana"} <= services.keys()
+    assert {"ecoscan", "lb", "postgres", "redis", "prometheus", "phoenix", "grafana"} <= services.keys()
     # Every service reports its health: depends_on and the balancer rely on it.
     for name, service in services.items():
         assert service["healthcheck"]["test"], f"{name} has no healthcheck"
@@ -360,6 +389,8 @@ def test_compose_stack_has_its_services_wired_together(compose: dict[str, Any]) 
     for dependency in ("postgres", "redis"):
         assert app["depends_on"][dependency]["condition"] == "service_healthy"
         assert services[dependency]["healthcheck"]["test"]
+    # Tracing is not a dependency: a replica serves whether its exports arrive or not.
+    assert app["depends_on"].keys() == {"postgres", "redis"}
     assert services["lb"]["depends_on"]["ecoscan"]["condition"] == "service_healthy"
     # Every bind-mounted file is in the repository.
     for name, service in services.items():
@@ -712,6 +743,90 @@ def run_promtool(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([promtool(), *args], capture_output=True, text=True, timeout=120, check=False)
 
 
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments out."""
+    lines = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    return [
+        (parts[0].upper(), parts[1] if len(parts) > 1 else "")
+        for line in joined.splitlines()
+        if (parts := line.strip().split(None, 1))
+    ]
+
+
+def test_compose_ships_a_trace_backend_the_replicas_export_to(
+    compose: dict[str, Any], secrets_dir: Path
+) -> None:
+    """Phoenix, built here from pinned PyPI wheels like the other images from Debian's, is
+    where every replica's OTLP exporter sends (deploy/ecoscan.env, so a copy of it can point
+    elsewhere), published on this machine only (its UI has no login)."""
+    services = compose["services"]
+    phoenix = services["phoenix"]
+    assert phoenix["image"] == "ecoscan-phoenix:local"
+    (published,) = phoenix["ports"]
+    assert published == f"127.0.0.1:{PHOENIX_PORT}:{PHOENIX_PORT}", published
+    assert "phoenix-data:/var/lib/phoenix" in phoenix["volumes"] and "phoenix-data" in compose["volumes"]
+    assert any(f"127.0.0.1:{PHOENIX_PORT}/readyz" in part for part in phoenix["healthcheck"]["test"])
+    env = replica_environment(compose, secrets_dir)
+    settings_from(env, "compose.yaml, services.ecoscan (env_file + environment)")
+    assert url_host_port(env["OTEL_EXPORTER_OTLP_ENDPOINT"]) == ("phoenix", PHOENIX_PORT)
+    assert not any(name.startswith(OTEL_PREFIX) for name in environment(services["ecoscan"]))
+    assert env["OTEL_SERVICE_NAME"] == "ecoscan"
+    assert env["OTEL_TRACES_SAMPLER"] in OTEL_SAMPLERS
+    assert 0 < float(env["OTEL_TRACES_SAMPLER_ARG"]) <= 1
+    assert "openinference.project.name=ecoscan" in env["OTEL_RESOURCE_ATTRIBUTES"].split(",")
+
+    # The image: every package pinned, wheels only; the final stage runs as its own user,
+    # with its data in the volume compose mounts, and reports its health.
+    pins = [line for line in (PHOENIX_IMAGE / "requirements.txt").read_text().splitlines() if line]
+    pins = [line for line in pins if not line.startswith("#")]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+\-]+", line) for line in pins), pins
+    assert any(line.startswith("arize-phoenix==") for line in pins)
+    instructions = dockerfile_instructions(PHOENIX_IMAGE / "Dockerfile")
+    runs = " ".join(args for name, args in instructions if name == "RUN")
+    assert "--only-binary=:all: -r /tmp/requirements.txt" in runs
+    final = instructions[max(i for i, (name, _) in enumerate(instructions) if name == "FROM") :]
+    last = {name: args for name, args in final}
+    assert last["USER"] == str(PHOENIX_UID)
+    assert last["VOLUME"] == "/var/lib/phoenix" and f"PHOENIX_WORKING_DIR={last['VOLUME']}" in last["ENV"]
+    assert f"PHOENIX_PORT={PHOENIX_PORT}" in last["ENV"] and str(PHOENIX_PORT) in last["EXPOSE"].split()
+    assert "/readyz" in last["HEALTHCHECK"]
+    # Nothing fetched from the internet at run time: the stack may have none.
+    assert "PHOENIX_ALLOW_EXTERNAL_RESOURCES=false" in last["ENV"]
+    assert "PHOENIX_TELEMETRY_ENABLED=false" in last["ENV"]
+
+
+def test_prometheus_keeps_the_exemplars(compose: dict[str, Any]) -> None:
+    """Exemplars come only in the OpenMetrics format, which Prometheus asks for first unless
+    a job's scrape_protocols says otherwise, and are kept only with exemplar storage on."""
+    assert "--enable-feature=exemplar-storage" in compose["services"]["prometheus"]["command"]
+    for job in load_yaml(PROMETHEUS_CONFIG)["scrape_configs"]:
+        assert job.get("scrape_protocols", ["OpenMetricsText1.0.0"])[0].startswith("OpenMetrics"), job
+
+
+def test_grafana_links_a_scans_exemplar_to_its_trace(compose: dict[str, Any]) -> None:
+    """The scan-duration panel shows exemplars, and the datasource makes each one's
+    trace_id a link to that trace in Phoenix, at the address the browser reaches it on."""
+    (destination,) = provisioned_datasource()["jsonData"]["exemplarTraceIdDestinations"]
+    assert destination["name"] == EXEMPLAR_TRACE_LABEL
+    # Grafana expands ${PHOENIX_UI_URL} from its environment, and $$ to $.
+    assert destination["url"] == "${PHOENIX_UI_URL}/redirects/traces/$${__value.raw}"
+    assert "datasourceUid" not in destination  # a URL, not a Grafana datasource
+    ui = environment(compose["services"]["grafana"])["PHOENIX_UI_URL"]
+    (published,) = compose["services"]["phoenix"]["ports"]
+    assert ui == "http://" + published.rsplit(":", 1)[0]
+    with_exemplars = [
+        (panel["title"], target["expr"])
+        for panel in panels()
+        for target in panel.get("targets", [])
+        if target.get("exemplar")
+    ]
+    assert with_exemplars, "no panel shows exemplars"
+    for title, expr in with_exemplars:
+        names = {selector_name(s) for s in selectors(promql_parser.parse(grafana_expr(expr)))}
+        assert names == {"ecoscan_scan_duration_seconds_bucket"}, (title, expr)
+
+
 def test_prometheus_loads_the_alert_rules() -> None:
     """prometheus.yml names alerts.yml (beside it, as compose mounts the config), and
     `promtool check config` follows it there."""
@@ -844,17 +959,22 @@ def alert_queries() -> Iterator[tuple[str, str]]:
             yield f"{group['name']}/{rule.get('alert') or rule.get('record')}", rule["expr"]
 
 
-def dashboard_queries() -> Iterator[tuple[str, str]]:
-    """(panel title, PromQL) for every query; Grafana's variables replaced by values."""
+def grafana_expr(expr: str) -> str:
+    """A target's PromQL with Grafana's variables replaced by values."""
 
     def grafana_variable(match: re.Match[str]) -> str:
         name = match[1] or match[2]
         assert name in GRAFANA_VARIABLES, f"unknown Grafana variable ${name}"
         return GRAFANA_VARIABLES[name]
 
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", grafana_variable, expr)
+
+
+def dashboard_queries() -> Iterator[tuple[str, str]]:
+    """(panel title, PromQL) for every query; Grafana's variables replaced by values."""
     for panel in panels():
         for target in panel.get("targets", []):
-            yield panel["title"], re.sub(r"\$\{(\w+)\}|\$(\w+)", grafana_variable, target["expr"])
+            yield panel["title"], grafana_expr(target["expr"])
 
 
 Node = TypeVar("Node", bound=promql_parser.Expr)
@@ -1183,6 +1303,8 @@ def test_k8s_dev_overlay_is_the_base_plus_the_demo_in_its_own_namespace() -> Non
         ("Service", "postgres"),
         ("Deployment", "redis"),
         ("Service", "redis"),
+        # deploy/k8s/tracing: the trace backend, and where the pods send their traces.
+        *objects(K8S_TRACING).keys(),
     }
     assert ("Namespace", DEV_NAMESPACE) in dev
     for (kind, name), document in dev.items():
@@ -1210,7 +1332,10 @@ def k8s_env(found: dict[tuple[str, str], dict[str, Any]], container: dict[str, A
     that Secret's value instead (what the kubelet would mount there)."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        env.update(the_named("ConfigMap", source["configMapRef"]["name"], found)["data"])
+        ref = source["configMapRef"]
+        if ref.get("optional") and ("ConfigMap", ref["name"]) not in found:
+            continue  # as the kubelet does: an optional ConfigMap that is not there adds nothing
+        env.update(the_named("ConfigMap", ref["name"], found)["data"])
     for item in container.get("env", []):
         assert "valueFrom" not in item, f"{item['name']}: a secret in the environment, not a file"
         env[item["name"]] = item.get("value", "")
@@ -1428,16 +1553,26 @@ def test_k8s_only_the_ingress_controller_and_prometheus_reach_the_pods() -> None
 
 
 def test_k8s_pods_reach_only_dns_the_stores_and_public_https() -> None:
-    """Egress: DNS to the cluster's DNS pods, PostgreSQL and Redis by port, 443 to public
-    addresses only: not the metadata service, the API server or other pods' HTTPS."""
+    """Egress: DNS to the cluster's DNS pods, PostgreSQL and Redis by port, traces (the
+    namespace's Phoenix pods, or OTLP/HTTP's port), 443 to public addresses only: not the
+    metadata service, the API server or other pods' HTTPS."""
     policy = the("NetworkPolicy", objects(K8S_BASE))["spec"]
     rules = policy["egress"]
     ports = [{(p["port"], p["protocol"]) for p in rule["ports"]} for rule in rules]
-    assert ports == [{(53, "UDP"), (53, "TCP")}, {(5432, "TCP"), (6379, "TCP")}, {(443, "TCP")}]
+    assert ports == [
+        {(53, "UDP"), (53, "TCP")},
+        {(5432, "TCP"), (6379, "TCP")},
+        {(PHOENIX_PORT, "TCP")},
+        {(OTLP_HTTP_PORT, "TCP")},
+        {(443, "TCP")},
+    ]
     (dns,) = rules[0]["to"]
     assert dns["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kube-system"}
     assert dns["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
-    blocks = [peer["ipBlock"] for peer in rules[2]["to"]]
+    # Phoenix's port to Phoenix's pods alone, in the pods' own namespace.
+    (phoenix,) = rules[2]["to"]
+    assert phoenix == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "phoenix"}}}
+    blocks = [peer["ipBlock"] for peer in rules[4]["to"]]
     assert [b["cidr"] for b in blocks] == ["0.0.0.0/0", "::/0"]
     for address in ("169.254.169.254", "10.96.0.1", "172.20.0.1", "192.168.1.1", "100.64.0.1", "fd00::1"):
         ip = ipaddress.ip_address(address)
@@ -1445,6 +1580,65 @@ def test_k8s_pods_reach_only_dns_the_stores_and_public_https() -> None:
         assert any(ip in ipaddress.ip_network(e) for e in block["except"]), f"443 reaches {address}"
     public = ipaddress.ip_address("104.18.7.192")  # api.openai.com's CDN
     assert not any(public in ipaddress.ip_network(e) for e in blocks[0]["except"])
+
+
+def test_k8s_tracing_points_the_pods_at_its_phoenix() -> None:
+    """deploy/k8s/tracing beside the base (as the dev overlay has it): the pods' optional
+    ConfigMap names the Service of a Phoenix pod on the port it serves, the pods' egress
+    lets them reach it, and nothing else may connect to it, nor it anywhere. The base
+    alone sends traces nowhere."""
+    base = objects(K8S_BASE)
+    base["Secret", "ecoscan-secrets"] = {"kind": "Secret", "metadata": {}, "stringData": OPERATORS_SECRET}
+    assert not any(name.startswith(OTEL_PREFIX) for name in k8s_env(base, ecoscan_container(base)))
+    found = objects(K8S_DEV)
+    container = ecoscan_container(found)
+    (ref,) = [
+        s["configMapRef"] for s in container["envFrom"] if s["configMapRef"]["name"] == "ecoscan-tracing"
+    ]
+    assert ref.get("optional") is True
+    env = k8s_env(found, container)
+    k8s_settings(found, container)  # the rest still reads as settings
+    assert env["OTEL_SERVICE_NAME"] == "ecoscan" and env["OTEL_TRACES_SAMPLER"] in OTEL_SAMPLERS
+    assert 0 < float(env["OTEL_TRACES_SAMPLER_ARG"]) <= 1
+    host, port = url_host_port(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    assert host is not None
+    service = the_named("Service", host, found)["spec"]
+    (service_port,) = [p for p in service["ports"] if p["port"] == port]
+    backend = the_named("Deployment", "phoenix", found)["spec"]
+    labels = backend["template"]["metadata"]["labels"]
+    assert service["selector"].items() <= labels.items()
+    (phoenix,) = backend["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in phoenix["ports"]}
+    assert ports.get(service_port["targetPort"], service_port["targetPort"]) == PHOENIX_PORT
+    # One pod with its SQLite on a volume: never two at once.
+    assert backend["replicas"] == 1 and backend["strategy"]["type"] == "Recreate"
+    pod = backend["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == PHOENIX_UID
+    assert phoenix["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    mounts = {m["mountPath"]: m["name"] for m in phoenix["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    claim = volumes[mounts["/var/lib/phoenix"]]["persistentVolumeClaim"]["claimName"]
+    assert ("PersistentVolumeClaim", claim) in found
+
+    # The pods may connect to it...
+    egress = the_named("NetworkPolicy", "ecoscan", found)["spec"]["egress"]
+    assert any(
+        any(
+            peer.get("podSelector", {}).get("matchLabels", {}).items() <= labels.items()
+            for peer in rule["to"]
+        )
+        and {(p["port"], p["protocol"]) for p in rule["ports"]} == {(PHOENIX_PORT, "TCP")}
+        for rule in egress
+        if "to" in rule
+    ), egress
+    # ...and only they: its own policy admits the ecoscan pods alone and lets it reach nothing.
+    policy = the_named("NetworkPolicy", "phoenix", found)["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["egress"] == []
+    (rule,) = policy["ingress"]
+    (peer,) = rule["from"]
+    pod_labels = the_named("Deployment", "ecoscan", found)["spec"]["template"]["metadata"]["labels"]
+    assert set(peer) == {"podSelector"} and peer["podSelector"]["matchLabels"].items() <= pod_labels.items()
 
 
 @pytest.mark.parametrize("kustomization", [K8S_BASE, K8S_DEV], ids=["base", "dev"])

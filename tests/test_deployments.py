@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from app.settings import Settings, SettingsError
-from app.upstream.deployments import DeploymentError, parse_deployments, with_key
+from app.upstream.deployments import DeploymentError, check_deployments, parse_deployments, with_key
 
 OPENAI_A = {
     "name": "openai-a",
@@ -55,7 +55,7 @@ def test_neither_setting_means_the_implicit_deployment() -> None:
     [
         (
             {"provider": "anthropic"},
-            "deployment 'openai-a': provider: one of openai, azure, gemini, compatible",
+            "deployment 'openai-a': provider: one of azure, compatible, gemini, openai",
         ),
         ({"rpm": 0}, "deployment 'openai-a': rpm: an integer >= 1"),
         ({"tpm": "lots"}, "deployment 'openai-a': tpm: an integer >= 1"),
@@ -63,7 +63,7 @@ def test_neither_setting_means_the_implicit_deployment() -> None:
         ({"base_url": "ftp://x"}, "deployment 'openai-a': base_url: an http"),
         ({"vision_model": None, "answer_model": None}, "deployment 'openai-a': vision_model / answer_model"),
         ({"api_key_env": None}, "deployment 'openai-a': api_key_env: required for provider 'openai'"),
-        ({"api_version": "2024-10-21"}, "deployment 'openai-a': api_version: only for provider 'azure'"),
+        ({"api_version": "2024-10-21"}, "deployment 'openai-a': api_version: not for provider 'openai'"),
         ({"token_param": "max_output_tokens"}, "deployment 'openai-a': token_param: one of"),
         ({"api_key": "sk-in-the-file"}, "deployment 'openai-a': unknown field(s) api_key"),
     ],
@@ -122,3 +122,22 @@ def test_settings_refuse_a_bad_list_naming_the_variable() -> None:
     with pytest.raises(SettingsError, match="set UPSTREAMS or UPSTREAMS_FILE, not both"):
         Settings(upstreams=json.dumps([OPENAI_A]), upstreams_file="/tmp/x.toml")
     assert Settings(upstreams=json.dumps([OPENAI_A])).deployments() is not None
+
+
+def test_models_name_each_calling_stages_model_and_fold_in_the_old_spelling() -> None:
+    listed = {**OPENAI_A, "models": {"answer": "gpt-4o-mini", "moderation": "gpt-5-nano"}}
+    (a,) = parsed(listed)
+    assert a.models == (("answer", "gpt-4o-mini"), ("moderation", "gpt-5-nano"), ("vision", "gpt-4o-mini"))
+    assert a.model_for("moderation") == "gpt-5-nano" and a.vision_model == "gpt-4o-mini"
+    toml_only = {k: v for k, v in OPENAI_A.items() if not k.endswith("_model")}
+    (b,) = parsed({**toml_only, "models": {"vision": "gpt-4o", "answer": "gpt-4o-mini"}})
+    assert (b.vision_model, b.answer_model) == ("gpt-4o", "gpt-4o-mini")
+
+
+def test_models_and_the_old_spelling_must_agree() -> None:
+    with pytest.raises(DeploymentError, match="vision_model: 'gpt-4o-mini', but models names 'gpt-4o'"):
+        parsed({**OPENAI_A, "models": {"vision": "gpt-4o"}})
+    with pytest.raises(DeploymentError, match=r"models\.moderation: a non-empty string"):
+        parsed({**OPENAI_A, "models": {"moderation": ""}})
+    with pytest.raises(DeploymentError, match="no deployment serves the moderation stage"):
+        check_deployments(parsed(OPENAI_A), ("vision", "answer", "moderation"))

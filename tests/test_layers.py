@@ -22,7 +22,8 @@ LAYERS = [
     "app.scans",  # running scans: pipeline, runner, events, store, mirror, drain
     "app.streaming",  # a scan's events as SSE, and reading scans back
     "app.intake",  # who asks, reading and parsing the request, acceptance
-    "app.resources",  # the lifespan: builds everything above
+    "app.assembly",  # how each part is built: the upstream, the services, the gauges
+    "app.resources",  # the lifespan: builds everything above, in order
     "app.http",  # routes, page, OpenAPI document, HTTP protocol
     "app.main",
 ]
@@ -30,7 +31,10 @@ LAYERS = [
 # runtime's embedded serving, and only the lifespan starts it (lazily, without a key).
 SIMULATOR = "app.sim"
 SIMULATOR_MAY_IMPORT = ("app.runtime",)
-STARTS_SIMULATOR = "app.resources"
+STARTS_SIMULATOR = "app.assembly.upstream"
+# The lifespan and its assembly build every package's parts: they may import any module,
+# in a package's face or not.
+LIFESPAN = ("app.resources", "app.assembly")
 
 
 def _module_name(path: Path) -> str:
@@ -114,6 +118,37 @@ def test_no_import_cycles() -> None:
     for module in sorted(graph):
         if module not in state and (cycle := visit(module)):
             raise AssertionError("import cycle: " + " -> ".join(cycle))
+
+
+def _face(package: Path) -> set[str] | None:
+    """The modules a package's `__init__.py` lists in `__all__` (None: it shows no face)."""
+    for node in ast.parse((package / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def test_other_packages_import_only_a_packages_face() -> None:
+    """A package whose `__init__.py` has an `__all__` (its face, ARCHITECTURE.md's
+    "Package faces") is imported by the other packages only through the modules it lists,
+    and each of those is used by one. The lifespan, which builds everything, may import
+    any module."""
+    graph = _graph()
+    faces = {_module_name(p.parent): face for p in APP.glob("*/__init__.py") if (face := _face(p.parent))}
+    assert {"app.limits", "app.upstream"} <= set(faces)
+    wrong = []
+    for package, face in faces.items():
+        used = set()
+        for module, imported in graph.items():
+            if _within(module, package) or any(_within(module, lifespan) for lifespan in LIFESPAN):
+                continue
+            for target in imported:
+                if target.startswith(package + "."):
+                    used.add(name := target.removeprefix(package + ".").split(".")[0])
+                    if name not in face:
+                        wrong.append(f"{module} imports {target}, not in {package}.__all__")
+        wrong += [f"{package}.__all__ lists {name}, which no other package imports" for name in face - used]
+    assert not wrong, "\n".join(sorted(wrong))
 
 
 def test_the_check_sees_a_wrong_import(tmp_path: Path) -> None:

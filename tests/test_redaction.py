@@ -3,6 +3,7 @@ however it is spelled, no secret query parameter, and the rest left readable."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -11,6 +12,7 @@ from app.runtime.redaction import AccessLogScrubber, redact_target, redact_url
 from app.runtime.redis_link import RedisLink
 from app.settings import Settings
 from app.sim.server import RunningSimulator
+from app.upstream.deployments import DeploymentError, parse_deployments
 
 from .conftest import running_service, settings_for
 
@@ -54,6 +56,25 @@ def test_no_part_of_a_password_survives(password: str) -> None:
     for url in (f"postgresql://user:{password}@db:5432/x", f"redis://:{password}@r:6379/0"):
         shown = redact_url(url)
         assert not any(piece in shown for piece in ("ss", "w?o", "rd")), shown
+
+
+@pytest.mark.parametrize("password", ["p@ss", "p:ss", "p/ss", "p%40ss"])
+def test_a_deployments_wrong_base_url_is_named_without_its_password(password: str) -> None:
+    """The message naming a base_url that is not http(s) shows it redacted (a scheme typo
+    must not print the key a URL carries)."""
+    entry = {
+        "name": "typo",
+        "provider": "compatible",
+        "base_url": f"htps://user:{password}@llm.example/v1",
+        "vision_model": "m",
+        "answer_model": "m",
+        "rpm": 1,
+        "tpm": 1,
+    }
+    with pytest.raises(DeploymentError) as raised:
+        parse_deployments(json.dumps([entry]), None)
+    assert "got 'htps://***@llm.example/v1'" in str(raised.value)
+    assert "ss" not in str(raised.value)
 
 
 def test_secrets_are_not_in_the_settings_repr() -> None:

@@ -16,6 +16,7 @@ from app.limits.rate_budget import RateBudget
 from app.limits.route_limits import RouteLimit
 from app.settings import Settings
 from app.upstream.breaker import Breaker
+from app.upstream.credentials import Credential
 from app.upstream.deployments import Deployment
 from app.upstream.endpoint import ChatEndpoint
 from app.upstream.negotiation import Negotiation
@@ -47,7 +48,7 @@ def route(
     )
     endpoint = ChatEndpoint.open(
         d.base_url + "/chat/completions",
-        {},
+        Credential(),
         connect_timeout_s=1.0,
         read_timeout_s=1.0,
         max_connections=1,

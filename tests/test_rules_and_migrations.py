@@ -137,6 +137,9 @@ async def table_counts(conn: asyncpg.Connection) -> dict[str, int]:
 
 
 async def test_every_recyclable_middle_has_a_rule_and_a_character(db: asyncpg.Connection) -> None:
+    # This worker's database is migrated by whichever test first starts the service; this
+    # test may be the worker's first (migrations are harmless to apply twice).
+    await apply_migrations(db, bundled_migrations())
     missing = await db.fetch(
         """SELECT m.name FROM taxonomy_middle m
            LEFT JOIN disposal_rules r ON r.major = m.major AND r.middle = m.name

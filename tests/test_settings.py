@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.settings import Settings, SettingsError, env_name
+from app.upstream.stage_call import StageCall
 
 
 def test_reads_environment_and_casts() -> None:
@@ -151,3 +152,25 @@ def test_upload_and_follower_caps_are_checked_by_name() -> None:
     ):
         with pytest.raises(SettingsError, match=name):
             Settings.from_env({name: bad})
+
+
+def test_stage_calls_set_a_new_calling_stages_call_and_refuse_mistakes() -> None:
+    declared = StageCall("moderation", max_tokens=40, temperature=0.0)
+    settings = Settings(
+        stage_calls='{"moderation": {"model": "gpt-5-nano", "concurrency": "7", "timeout_s": 5}}'
+    )
+    call = settings.stage_call(declared)
+    assert (call.model, call.max_tokens, call.timeout_s, call.concurrency.fixed) == ("gpt-5-nano", 40, 5.0, 7)
+    assert Settings().stage_call(declared) == declared
+    vision = Settings(vision_model="gpt-4o", vision_concurrency=3).stage_call(
+        StageCall("vision", temperature=0.0)
+    )
+    assert (vision.model, vision.concurrency.fixed, vision.temperature) == ("gpt-4o", 3, 0.0)
+    for raw, message in [
+        ('{"moderation": {"modle": "x"}}', "STAGE_CALLS moderation: modle: unknown"),
+        ('{"vision": {"model": "x"}}', "STAGE_CALLS vision: set the VISION_\\* variables instead"),
+        ('{"moderation": {"reasoning_effort": "high"}}', "STAGE_CALLS moderation: "),
+        ("[1]", "STAGE_CALLS must be a JSON object"),
+    ]:
+        with pytest.raises(SettingsError, match=message):
+            Settings(stage_calls=raw)

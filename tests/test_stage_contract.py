@@ -1,6 +1,7 @@
 """A stage is self-contained: a fifth stage, written here and nowhere else, is run,
-streamed, stored, timed and documented by being put in the stage list. Real service,
-real PostgreSQL, the simulator over HTTP."""
+streamed, stored, timed and documented by being put in the stage list; and so is a
+stage that calls a model, whose calls are routed, budgeted, gated, cached and counted
+by declaring its `StageCall`. Real service, real PostgreSQL, the simulator over HTTP."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import uuid
 from typing import Any
 
 import asyncpg
+import pytest
 from httpx_sse import aconnect_sse
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
+from app.resources import lifespan_resources
+from app.runtime.metrics import Metrics
+from app.settings import SettingsError
 from app.sim.server import RunningSimulator
 from app.stages.answer import AnswerResult, AnswerStage
 from app.stages.base import StageEnv, StageResult
@@ -20,8 +25,12 @@ from app.stages.order import STAGES, stage_names
 from app.stages.reward import RewardStage
 from app.stages.rule import RuleBook
 from app.stages.vision import VisionResult, VisionStage
+from app.upstream.call import ChatRequest, ChatResult
+from app.upstream.client import Upstream
+from app.upstream.reply_cache import CacheLimits, ReplyCache, request_digest
+from app.upstream.stage_call import StageCall
 
-from .conftest import SCAN_URL, data_url, make_jpeg, running_service, settings_for
+from .conftest import SCAN_URL, Service, data_url, make_jpeg, running_service, settings_for, sim_stats
 
 # Grams of CO2 a correct disposal saves, by major category: the stage's "small table".
 IMPACT_TABLE = """
@@ -136,3 +145,179 @@ async def test_the_page_lists_the_products_stages(database_url: str, sim: Runnin
         page = (await svc.client.get("/")).text
     items = [line for line in page.splitlines() if "data-step=" in line]
     assert [line.split('data-step="')[1].split('"')[0] for line in items] == stage_names()
+
+
+# --- a stage that calls a model: the module a new calling stage would be -------------------
+
+MODERATION_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "moderation_check",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"allowed": {"type": "boolean"}, "concern": {"type": "string"}},
+            "required": ["allowed", "concern"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class ModerationResult(StageResult):
+    """The item was checked before its rules are looked up."""
+
+    allowed: bool = Field(description="Whether the item may be guided.")
+    concern: str = Field(description="What the check found.")
+    _call: ChatResult | None = PrivateAttr(default=None)
+
+    def served_by(self) -> str | None:
+        return self._call.upstream if self._call is not None else None
+
+    def queue_seconds(self) -> float:
+        return self._call.queue_s if self._call is not None else 0.0
+
+
+class ModerationStage:
+    name = "moderation"
+    label = "안전 확인"
+    progress_share = 5
+    upstream_calls = 1
+    streams_text = False
+    result_type = ModerationResult
+    call = StageCall(
+        "moderation", max_tokens=60, temperature=0.0, timeout_s=10.0, cache=CacheLimits(100, 1 << 20, 600.0)
+    )
+
+    @classmethod
+    async def start(cls, env: StageEnv) -> ModerationStage:
+        return cls(env.upstream, env.call(cls.name), env.reply_cache(cls.name))
+
+    def __init__(self, upstream: Upstream, call: StageCall, cache: ReplyCache | None) -> None:
+        self.timeout_s = call.timeout_s
+        self._upstream = upstream
+        self._cache = cache
+
+    async def run(self, ctx: ScanContext) -> ModerationResult:
+        vision = ctx.result(VisionResult)
+        messages = [
+            {"role": "system", "content": "이 품목을 안내해도 되는지 확인하세요."},
+            {"role": "user", "content": f"{vision.classification.major}: {vision.item_name}"},
+        ]
+        request = ChatRequest(
+            self.name, messages, response_format=MODERATION_FORMAT, safety_identifier=ctx.safety_id
+        )
+        made: list[ChatResult] = []
+
+        async def check() -> str:
+            made.append(await self._upstream.complete(request, deadline=ctx.current_deadline))
+            return made[0].text
+
+        if self._cache is None:
+            text = await check()
+        else:
+            key = request_digest(self._upstream.models(self.name), MODERATION_FORMAT, messages)
+            text = await self._cache.get_or_call(key, check)
+        reply = json.loads(text)
+        result = ModerationResult(allowed=reply["allowed"], concern=reply["concern"])
+        if made:
+            result._call = made[0]
+        return result
+
+
+# ...and the one line in the stage order.
+MODERATED = (VisionStage, ModerationStage, RuleBook, AnswerStage, RewardStage)
+
+
+async def _scan(svc: Service, photo: bytes) -> list[tuple[str, dict[str, Any]]]:
+    user = {"X-User-ID": "moderation-reader"}
+    async with aconnect_sse(
+        svc.client, "POST", SCAN_URL, json={"image_url": data_url(photo)}, headers=user
+    ) as source:
+        assert source.response.status_code == 200
+        return [(sse.event, json.loads(sse.data)) async for sse in source.aiter_sse() if sse.data]
+
+
+async def test_a_calling_stage_is_routed_budgeted_gated_cached_and_counted(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    # Its own model (a budget of its own), set the generic way; the stage declares the rest.
+    settings = settings_for(database_url, sim, stage_calls='{"moderation": {"model": "gpt-4.1-nano"}}')
+    before = (await sim_stats(sim))["by_schema"].get("moderation_check", 0)
+    async with running_service(settings, stages=MODERATED) as svc:
+        photo = make_jpeg(41)
+        events = await _scan(svc, photo)
+
+        # Its events stream in its place, and `done` names it and who served it.
+        stages = [(d["step"], d["status"]) for n, d in events if n == "stage"]
+        assert [step for step, status in stages if status == "completed"] == [
+            "vision",
+            "moderation",
+            "rule",
+            "answer",
+            "reward",
+        ]
+        name, done = events[-1]
+        assert name == "done" and isinstance(done["allowed"], bool) and isinstance(done["concern"], str)
+        assert done["upstreams"]["moderation"] == "openai" and done["timings"]["moderation_ms"] >= 0
+
+        # Routed to the deployment's model for it, through the simulator.
+        assert (await sim_stats(sim))["by_schema"].get("moderation_check", 0) == before + 1
+        assert svc.metric("ecoscan_upstream_routed_total", {"upstream": "openai", "stage": "moderation"}) == 1
+        assert (
+            svc.metric(
+                "ecoscan_upstream_calls_total",
+                {"model": "gpt-4.1-nano", "endpoint": "chat.completions", "status": "2xx"},
+            )
+            == 1
+        )
+        # Budgeted: its model's budget reserved its call (the call's estimate, counted).
+        assert svc.metric("ecoscan_upstream_tokens_total", {"model": "gpt-4.1-nano", "kind": "estimated"}) > 0
+        assert (
+            svc.metric(
+                "ecoscan_budget_effective_limit_per_minute", {"model": "gpt-4.1-nano", "resource": "requests"}
+            )
+            > 0
+        )
+        # Gated: a gate of its own, sized like the others'.
+        registry = svc.metrics.registry
+        assert registry.get_sample_value("ecoscan_stage_semaphore_in_use", {"stage": "moderation"}) == 0
+        assert svc.metric("ecoscan_limit", {"limit": "moderation_gate"}) >= 1
+        # Counted in the stage metrics.
+        labels = {"stage": "moderation", "outcome": "completed"}
+        assert svc.metric("ecoscan_stage_duration_seconds_count", labels) == 1
+
+        # Cached: the same photo again is answered from its reply cache, no call made.
+        again = await _scan(svc, photo)
+        assert again[-1][0] == "done" and again[-1][1]["allowed"] == done["allowed"]
+        assert again[-1][1]["upstreams"]["moderation"] is None
+        assert svc.metric("ecoscan_cache_requests_total", {"cache": "moderation", "outcome": "hit"}) == 1
+        assert (await sim_stats(sim))["by_schema"].get("moderation_check", 0) == before + 1
+        assert svc.metric("ecoscan_stage_duration_seconds_count", labels) == 2
+
+
+async def test_deployments_name_a_calling_stages_model_in_models(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """Listed deployments serve a new calling stage where their `models` name one for it; a
+    stage none serves stops the start, naming it."""
+
+    def listed(models: dict[str, str]) -> str:
+        deployment = {
+            "name": "sim",
+            "provider": "compatible",
+            "base_url": sim.base_url,
+            "rpm": 500,
+            "tpm": 500_000,
+        }
+        return json.dumps([{**deployment, "models": models}])
+
+    pair = {"vision": "gpt-4o-mini", "answer": "gpt-4o-mini"}
+    unserved = settings_for(database_url, sim, upstreams=listed(pair))
+    with pytest.raises(SettingsError, match="no deployment serves the moderation stage"):
+        async with lifespan_resources(unserved, Metrics(process=False), stages=MODERATED):
+            pass
+    served = settings_for(database_url, sim, upstreams=listed({**pair, "moderation": "gpt-4.1-nano"}))
+    async with lifespan_resources(served, Metrics(process=False), stages=MODERATED) as resources:
+        assert list(resources.gates) == ["vision", "moderation", "answer"]
+        assert set(resources.budgets) == {"sim/gpt-4o-mini", "sim/gpt-4.1-nano"}

@@ -28,8 +28,9 @@ from tests.test_replicas import burst_admissions
 CAP = 2
 USER = "paused-user"
 # Polls of the services' metrics: bounded well past what each step needs on a loaded
-# machine (a removal fails within 2 x REDIS_TIMEOUT_S; a retry comes every RELEASE_RETRY_S),
-# and still short of SLOT_TTL_S, after which the slots would have expired on their own.
+# machine (a removal fails within 2 x REDIS_TIMEOUT_S; a resend comes every RESEND_S of
+# app/runtime/redis_fallback.py), and still short of SLOT_TTL_S, after which the slots
+# would have expired on their own.
 POLL_INTERVAL_S = 0.05
 POLL_ATTEMPTS = int(SLOT_TTL_S / 3 / POLL_INTERVAL_S)
 

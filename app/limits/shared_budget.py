@@ -32,7 +32,8 @@ Redis (shared_budget.lua, run atomically by Redis on Redis's clock):
 - Redis unreachable or slow (`REDIS_TIMEOUT_S`): the process falls back to a local
   bucket at its last known share of the key (1 / the live holders Redis last counted;
   `COLD_SHARE` if it never reached Redis), logs it once and shows it in
-  `ecoscan_budget_shared`. It keeps probing; when Redis answers it is shared again.
+  `ecoscan_budget_shared`. It probes every `RETRY_AFTER_FAILURE_S`; when Redis answers
+  it is shared again (app/runtime/redis_fallback.py, as for every holder of shared state).
 
 The limits this process reports (`effective_rpm`, predictions for admission) are its
 share of the key's: 1 / the holders that asked for budget lately (`demand_share`: an
@@ -51,14 +52,15 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib import resources
 
 from app.limits.charge_learning import KINDS, Sent
 from app.limits.clock import Clock
 from app.limits.rate_budget import RateBudget, Reservation
 from app.limits.rate_headers import UpstreamSnapshot
-from app.runtime.redis_link import RedisError, RedisLink
+from app.runtime.redis_fallback import REDIS_FAILURES, RedisFallback
+from app.runtime.redis_link import RedisLink
 
 __all__ = ["COLD_SHARE", "LEASE_S", "SharedRateBudget", "holder_name"]
 
@@ -74,8 +76,6 @@ COLD_SHARE = 0.5
 DEMAND_MIN_WINDOW_S = 0.05
 # A reported `remaining` older than this is not sent to Redis: it has refilled since.
 REMAINING_FRESH_S = 1.0
-# While Redis is unreachable, how often to try it again.
-FALLBACK_PROBE_S = 1.0
 # Pause-channel listener: each read is bounded; reconnects back off up to this.
 LISTEN_POLL_S = 1.0
 LISTEN_BACKOFF_MAX_S = 10.0
@@ -113,7 +113,6 @@ class SharedRateBudget(RateBudget):
     """`RateBudget` whose buckets are filled by leases from Redis (see module doc)."""
 
     # Read by `_effective` while RateBudget.__init__ runs, before our __init__ sets them.
-    shared = True
     demand_share = 1.0  # 1 / the holders with demand: the rate predictions expect
     fallback_share = 1.0  # 1 / the live holders: the rate to fall back to without Redis
     _key_limits: tuple[int, int] | None = None
@@ -130,10 +129,21 @@ class SharedRateBudget(RateBudget):
         lease_s: float = LEASE_S,
         on_call: Callable[[str, float], None] | None = None,
     ) -> None:
+        self._on_call = on_call or (lambda op, seconds: None)
+        # Before RateBudget.__init__, whose limits ask whether the budget is shared.
+        self._redis = RedisFallback(
+            link,
+            f"budget {name}",
+            log=log,
+            local=lambda: f"budgeting locally at {self.share:.0%} of the key until it answers",
+            shared="the budget is shared",
+            on_error=lambda: self._on_call("error", 0.0),
+            on_local=self._went_local,
+            on_shared=self._went_shared,
+        )
         super().__init__(rpm=rpm, tpm=tpm, burst_fraction=burst_fraction, clock=clock, name=name)
         self._link = link
         self._lease_s = lease_s
-        self._on_call = on_call or (lambda op, seconds: None)
         self._horizon_s = lease_s  # a need is granted ahead of time only this far
         self.holder = holder_name()
         # The bucket, its live holders, those with demand, the channel announcing 429 pauses.
@@ -181,8 +191,13 @@ class SharedRateBudget(RateBudget):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._void_pending()
         if self.shared:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
+            with contextlib.suppress(*REDIS_FAILURES):
                 await self._lease(need=(0.0, 0.0), want=(0.0, 0.0), op="return", leaving=True)
+
+    @property
+    def shared(self) -> bool:
+        """Budgeting from Redis's bucket; False while Redis fails (a local bucket)."""
+        return self._redis.shared
 
     @property
     def share(self) -> float:
@@ -251,7 +266,7 @@ class SharedRateBudget(RateBudget):
         try:
             async with asyncio.timeout(self._link.timeout_s):
                 text, image = await self._count_script(keys=[self._sent_key], args=[kind, estimate])
-        except (RedisError, OSError, TimeoutError):
+        except REDIS_FAILURES:
             self._on_call("error", 0.0)
             return Sent(None, self._clock.now(), kind, estimate)  # uncounted: it teaches nothing
         self._on_call("sent", time.perf_counter() - started)
@@ -267,28 +282,36 @@ class SharedRateBudget(RateBudget):
     # ----- leasing ------------------------------------------------------------------------
 
     async def _lease_loop(self) -> None:
-        try:  # say hello: count as a live holder, learn the share before the first scan
-            await self._lease(need=(0.0, 0.0), want=(0.0, 0.0), op="heartbeat")
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._fall_back(exc)
+        nothing = (0.0, 0.0)
+        # Say hello: count as a live holder, learn the share before the first scan.
+        await self._step(self._lease(need=nothing, want=nothing, op="heartbeat"))
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._next_due()):
                     await self._kick.wait()
             self._kick.clear()
-            try:
-                await (self._serve_once() if self.shared else self._probe())
-            except (RedisError, OSError, TimeoutError) as exc:
-                self._fall_back(exc)
-            except Exception as exc:  # a bug must not leave every reserve to its deadline
-                log.exception("budget %s: leasing failed", self.name)
-                self._fall_back(exc)
+            if self.shared:
+                await self._step(self._serve_once())
+            elif self._redis.asks():  # local: one call each RETRY_AFTER_FAILURE_S probes
+                await self._step(self._lease(need=nothing, want=nothing, op="probe"))
+
+    async def _step(self, work: Awaitable[object]) -> None:
+        """One step of the leaser, and what it says of Redis (shared, local, back)."""
+        try:
+            await work
+        except REDIS_FAILURES as exc:
+            self._redis.failed(exc)
+        except Exception as exc:  # a bug must not leave every reserve to its deadline
+            log.exception("budget %s: leasing failed", self.name)
+            self._redis.failed(exc)
+        else:
+            self._redis.recovered()
 
     def _next_due(self) -> float:
         """Seconds until the loop has work without being kicked: probing Redis, or
         giving back what is held when the lease ends."""
         if not self.shared:
-            return FALLBACK_PROBE_S
+            return self._redis.retry_in()
         now = self._clock.now()
         if self._need() != (0.0, 0.0) and self._retry_at > now:
             return self._retry_at - now
@@ -397,7 +420,7 @@ class SharedRateBudget(RateBudget):
         ]
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(self._link.timeout_s * 2):
+            async with self._redis.deadline():
                 reply = await self._script(keys=self._keys, args=args)
         except BaseException:
             self._pause_to_send = max(self._pause_to_send, pause)
@@ -442,36 +465,21 @@ class SharedRateBudget(RateBudget):
             super().pause(paused_s)
         self._notify_head()
 
-    # ----- fallback -----------------------------------------------------------------------
+    # ----- fallback (RedisFallback's moves) -----------------------------------------------
 
-    def _fall_back(self, exc: BaseException) -> None:
-        self._on_call("error", 0.0)
+    def _went_local(self) -> None:
         self._void_pending()
-        self.shared = False
         self.epoch += 1
         self._last = self._clock.now()  # the local bucket refills from now, not retroactively
         self._apply_limits()
-        log.warning(
-            "budget %s: Redis failed (%s); budgeting locally at %.0f%% of the key until it answers",
-            self.name,
-            str(exc) or type(exc).__name__,
-            self.share * 100,
-        )
         self._notify_head()
 
-    async def _probe(self) -> None:
-        try:
-            await self._lease(need=(0.0, 0.0), want=(0.0, 0.0), op="probe")
-        except (RedisError, OSError, TimeoutError):
-            self._on_call("error", 0.0)
-            return
-        # Back to shared. What the local bucket refilled was never granted: drop it,
-        # keep a debt. The probe returned nothing (it only counted what was positive).
-        self.shared = True
+    def _went_shared(self) -> None:
+        # What the local bucket refilled was never granted: drop it, keep a debt. The probe
+        # returned nothing (it only counted what was positive).
         self.epoch += 1
         self._req, self._tok = min(self._req, 0.0), min(self._tok, 0.0)
         self._apply_limits()
-        log.info("budget %s: Redis answers again; the budget is shared", self.name)
         self._notify_head()
 
     # ----- pauses from other processes ----------------------------------------------------
@@ -482,7 +490,7 @@ class SharedRateBudget(RateBudget):
             try:
                 await self._listen_once()
                 backoff = LISTEN_POLL_S
-            except (RedisError, OSError, TimeoutError):
+            except REDIS_FAILURES:
                 pass
             except Exception:  # a bug must not end the listening for good
                 log.exception("budget %s: listening for pauses failed", self.name)
@@ -492,7 +500,7 @@ class SharedRateBudget(RateBudget):
     async def _listen_once(self) -> None:
         pubsub = self._link.client.pubsub(ignore_subscribe_messages=True)
         try:
-            async with asyncio.timeout(self._link.timeout_s * 2):
+            async with self._redis.deadline():
                 await pubsub.subscribe(self._keys[3])
             while True:
                 message = await pubsub.get_message(timeout=LISTEN_POLL_S)
@@ -501,6 +509,6 @@ class SharedRateBudget(RateBudget):
                     if math.isfinite(seconds) and seconds > 0:
                         RateBudget.pause(self, seconds)  # not ours to send on again
         finally:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                async with asyncio.timeout(self._link.timeout_s * 2):
+            with contextlib.suppress(*REDIS_FAILURES):
+                async with self._redis.deadline():
                     await pubsub.aclose()  # type: ignore[no-untyped-call]

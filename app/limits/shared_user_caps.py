@@ -8,14 +8,15 @@ so its slots free themselves within `SLOT_TTL_S`. Times are Redis's own clock.
 
 A slot whose removal failed (Redis paused, unreachable, restarting) is remembered, not
 renewed, and removed as soon as Redis answers again: by a background retry every
-`RELEASE_RETRY_S`, and by the user's next admission, whose script removes them before it
+`RESEND_S` (`Unsent`), and by the user's next admission, whose script removes them before it
 counts. Redis may come back with its data (a pause, a network blip, a restart that loads
 its snapshot); without this, its user would be refused for up to `SLOT_TTL_S` with nothing
 running. One not removed within `SLOT_TTL_S` has expired on its own and is forgotten.
 
 Redis failing never refuses a scan: the caller's own per-process count still applies,
 the failure is counted (`ecoscan_user_caps_redis_errors_total`) and logged once per
-outage, and for `SKIP_AFTER_FAILURE_S` admissions do not ask Redis at all.
+outage, and for `RETRY_AFTER_FAILURE_S` admissions do not ask Redis at all
+(app/runtime/redis_fallback.py, as for every holder of shared state).
 """
 
 from __future__ import annotations
@@ -24,23 +25,19 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from typing import Literal
 
-from app.runtime.redis_link import RedisError, RedisLink
+from app.runtime.redis_fallback import FAILED, REDIS_FAILURES, RedisFallback, Unsent
+from app.runtime.redis_link import RedisLink
 
-__all__ = ["RELEASE_RETRY_S", "SLOT_TTL_S", "SharedUserCaps"]
+__all__ = ["SLOT_TTL_S", "SharedUserCaps"]
 
 log = logging.getLogger("ecoscan.admission")
 
 SLOT_TTL_S = 30.0  # a slot not renewed for this long is free again (its replica died)
 SLOT_RENEW_S = 10.0  # how often a replica renews the slots it holds
-# After Redis failed, admissions skip it this long: a hung Redis must not add its timeout
-# to every scan's admission.
-SKIP_AFTER_FAILURE_S = 1.0
-RELEASE_RETRY_S = 1.0  # how often slots whose removal failed are tried again
 
 _TAKE = """
 local t = redis.call('TIME')
@@ -71,16 +68,19 @@ class SharedUserCaps:
         self._link = link
         self._take_script = link.script(_TAKE)
         self._renew_script = link.script(_RENEW)
-        self._on_error = on_error or (lambda: None)
+        self._redis = RedisFallback(
+            link,
+            "per-user caps",
+            log=log,
+            local="counting this process's scans only",
+            shared="caps are global",
+            on_error=on_error,
+        )
         self._instance = uuid.uuid4().hex[:12]
         self._serial = itertools.count()
         self._held: dict[str, str] = {}  # member -> user key
-        # Slots whose removal failed: member -> (user key, when it has surely expired).
-        self._unreleased: dict[str, tuple[str, float]] = {}
-        self._releaser: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._failing = False
-        self._skip_until = 0.0
+        # Slots whose removal failed, as (user key, member), until they have surely expired.
+        self._unreleased: Unsent[tuple[str, str]] = Unsent(self._redis, self._remove, name="user-caps")
         self._renewer: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -89,19 +89,13 @@ class SharedUserCaps:
     async def aclose(self) -> None:
         """Free every slot this process holds (a rolling deploy leaves none behind), within
         a bounded wait; what is left expires on its own."""
-        for task in (self._renewer, self._releaser):
-            if task is not None:
-                task.cancel()
+        if self._renewer is not None:
+            self._renewer.cancel()
         for member in list(self._held):
             self.give_back(member)
-        if self._unreleased:
-            self._track(asyncio.create_task(self._release_unreleased()))
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=self._link.timeout_s * 2)
-        for task in list(self._tasks):
-            task.cancel()
-        others = (t for t in (self._renewer, self._releaser) if t is not None)
-        await asyncio.gather(*self._tasks, *others, return_exceptions=True)
+        await self._unreleased.aclose()
+        if self._renewer is not None:
+            await asyncio.gather(self._renewer, return_exceptions=True)
 
     @property
     def unreleased(self) -> int:
@@ -111,28 +105,23 @@ class SharedUserCaps:
     async def take(self, user_key: str, cap: int) -> str | Literal[False] | None:
         """A slot's member name, False when the user is at the cap everywhere, or None
         when Redis failed (the caller's local count decides alone)."""
-        if self._failing and time.monotonic() < self._skip_until:
+        if not self._redis.asks():
             return None
         member = f"{self._instance}:{next(self._serial)}"
         self._held[member] = user_key  # before the call: a slot taken by a lost reply is freed
         # The user's slots whose removal failed go first, in the same script: counted, they
         # would refuse the user for nothing.
-        stale = [m for m, (key, _) in self._unreleased.items() if key == user_key]
+        stale = [slot for slot in self._unreleased if slot[0] == user_key]
+        args = [member, cap, SLOT_TTL_S, *(m for _, m in stale)]
         try:
-            async with asyncio.timeout(self._link.timeout_s * 2):
-                taken = await self._take_script(
-                    keys=[self._key(user_key)], args=[member, cap, SLOT_TTL_S, *stale]
-                )
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
-            self.give_back(member)
-            return None
+            taken = await self._redis.call(self._take_script(keys=[self._key(user_key)], args=args))
         except BaseException:  # cancelled: the slot may have been taken all the same
             self.give_back(member)
             raise
-        self._recovered()
-        for removed in stale:
-            self._unreleased.pop(removed, None)
+        if taken is FAILED:
+            self.give_back(member)
+            return None
+        self._unreleased.taken(stale)
         if not taken:
             self._held.pop(member, None)
             return False
@@ -141,52 +130,17 @@ class SharedUserCaps:
     def give_back(self, member: str) -> None:
         """Free a slot (in the background: a scan's end never waits for Redis)."""
         user_key = self._held.pop(member, None)
-        if user_key is None:
-            return
-        self._track(asyncio.create_task(self._remove(user_key, member)))
+        if user_key is not None:
+            self._unreleased.later((user_key, member), SLOT_TTL_S)
 
-    def _track(self, task: asyncio.Task[None]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _remove(self, user_key: str, member: str) -> None:
-        try:
-            async with asyncio.timeout(self._link.timeout_s * 2):
-                await self._link.client.zrem(self._key(user_key), member)
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
-            self._unreleased[member] = (user_key, time.monotonic() + SLOT_TTL_S)
-            if self._releaser is None or self._releaser.done():
-                self._releaser = asyncio.create_task(self._release_loop(), name="user-caps-release")
-
-    async def _release_loop(self) -> None:
-        """Until every slot whose removal failed is removed (or has expired on its own)."""
-        while self._unreleased:
-            await asyncio.sleep(RELEASE_RETRY_S)
-            await self._release_unreleased()
-
-    async def _release_unreleased(self) -> None:
-        now = time.monotonic()
-        for member, (_, expired_at) in list(self._unreleased.items()):
-            if expired_at <= now:
-                del self._unreleased[member]
+    async def _remove(self, slots: list[tuple[str, str]]) -> None:
         by_key: dict[str, list[str]] = {}
-        for member, (user_key, _) in self._unreleased.items():
+        for user_key, member in slots:
             by_key.setdefault(self._key(user_key), []).append(member)
-        if not by_key:
-            return
-        try:
-            async with asyncio.timeout(self._link.timeout_s * 2), self._link.client.pipeline(False) as pipe:
-                for key, members in by_key.items():
-                    pipe.zrem(key, *members)
-                await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
-            return
-        for members in by_key.values():
-            for member in members:
-                self._unreleased.pop(member, None)
-        self._recovered()
+        async with self._link.client.pipeline(False) as pipe:
+            for key, members in by_key.items():
+                pipe.zrem(key, *members)
+            await pipe.execute()
 
     async def _renew_loop(self) -> None:
         while True:
@@ -195,21 +149,9 @@ class SharedUserCaps:
             if not held:
                 continue
             keys = [self._key(user_key) for _, user_key in held]
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                async with asyncio.timeout(self._link.timeout_s * 2):
+            with contextlib.suppress(*REDIS_FAILURES):
+                async with self._redis.deadline():
                     await self._renew_script(keys=keys, args=[SLOT_TTL_S, *(m for m, _ in held)])
 
     def _key(self, user_key: str) -> str:
         return self._link.key("user", user_key, "scans")
-
-    def _failed(self, exc: BaseException) -> None:
-        self._on_error()
-        self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
-        if not self._failing:
-            self._failing = True
-            log.warning("per-user caps: Redis failed (%s); counting this process's scans only", exc)
-
-    def _recovered(self) -> None:
-        if self._failing:
-            self._failing = False
-            log.info("per-user caps: Redis answers again; caps are global")

@@ -12,8 +12,8 @@ by Redis's own clock; one script drops what has left the windows, checks both an
 both, so every replica sees one count, exactly. Giving back removes the member (safe to
 repeat, and a member never added is no-op).
 
-A give-back that Redis does not take is kept and sent again every `RETURN_RETRY_S` until
-Redis takes it (or its place has left the longest window), so a Redis pause does not cost a
+A give-back that Redis does not take is kept and sent again every `RESEND_S` (`Unsent`)
+until Redis takes it (or its place has left the longest window), so a Redis pause does not cost a
 caller a day's place for a scan that never ran; and it leaves a short-lived tombstone, so a
 reservation that reaches Redis after its own give-back (a timed-out call still queued
 there) adds nothing.
@@ -21,23 +21,24 @@ there) adds nothing.
 Redis failing never refuses a scan: this process counts its own reservations all along,
 and while Redis fails that count decides alone (each replica then allows the full rate and
 quota). The failure is counted (`ecoscan_user_quota_redis_errors_total`), logged once per
-outage, and for `SKIP_AFTER_FAILURE_S` reservations do not ask Redis at all.
+outage, and for `RETRY_AFTER_FAILURE_S` reservations do not ask Redis at all
+(app/runtime/redis_fallback.py, as for every holder of shared state).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from app.errors import Overloaded, UserQuotaExhausted, UserRateLimited
-from app.runtime.redis_link import RedisError, RedisLink
+from app.runtime.redis_fallback import FAILED, RedisFallback, Unsent
+from app.runtime.redis_link import RedisLink
 
 __all__ = ["Reservation", "UserQuota", "Window", "windows"]
 
@@ -45,14 +46,9 @@ log = logging.getLogger("ecoscan.admission")
 
 RATE_WINDOW_S = 60.0
 QUOTA_WINDOW_S = 24 * 3600.0
-# After Redis failed, reservations skip it this long: a hung Redis must not add its
-# timeout to every scan's acceptance.
-SKIP_AFTER_FAILURE_S = 1.0
 # This process's windows are swept of callers with nothing left in them every this many
 # reservations (a caller who never comes back is otherwise kept).
 SWEEP_EVERY = 1024
-# Give-backs Redis did not take are sent again this often, while it fails.
-RETURN_RETRY_S = 1.0
 # How long a given-back member's tombstone outlives the give-back: longer than any call of
 # the reservation that can still be on its way (the link's timeout, twice).
 TOMBSTONE_MS = 60_000
@@ -201,21 +197,28 @@ class UserQuota:
         if not limits:
             raise ValueError("no window to enforce")
         self._limits = limits
+        # A place given back has nothing left to give back once it left the longest window.
+        self._longest_s = max(window.seconds for window in limits)
         self._local = _LocalWindows(limits)
         self._link = link
-        self._reserve_script = link.script(_RESERVE) if link else None
-        self._give_back_script = link.script(_GIVE_BACK) if link else None
-        self._on_error = on_error or (lambda: None)
         self._on_refused = on_refused or (lambda code: None)
         self._instance = uuid.uuid4().hex[:12]
         self._serial = itertools.count()
-        self._tasks: set[asyncio.Task[None]] = set()
-        # Give-backs Redis did not take: (rate key, member) -> when its place leaves the
-        # longest window on its own (monotonic), after which there is nothing to give back.
-        self._unreturned: dict[tuple[str, str], float] = {}
-        self._retrying: asyncio.Task[None] | None = None
-        self._failing = False
-        self._skip_until = 0.0
+        self._redis: RedisFallback | None = None
+        # Give-backs Redis did not take, as (rate key, member).
+        self._unreturned: Unsent[tuple[str, str]] | None = None
+        if link is not None:
+            self._reserve_script = link.script(_RESERVE)
+            self._give_back_script = link.script(_GIVE_BACK)
+            self._redis = RedisFallback(
+                link,
+                "per-user rate and quota",
+                log=log,
+                local="counting this process's scans only",
+                shared="counts are global",
+                on_error=on_error,
+            )
+            self._unreturned = Unsent(self._redis, self._send_give_backs, name="user-quota")
 
     async def reserve(self, rate_key: str) -> Reservation:
         """A place in each window for one scan, or the refusal (429, Retry-After)."""
@@ -226,7 +229,7 @@ class UserQuota:
             refusal = self._local.refusal(rate_key, now)
             if refusal is not None:
                 if outcome == "failed":
-                    self._spawn(self._remove_shared(rate_key, member))  # in case it ran all the same
+                    self._give_back_later(rate_key, member)  # in case it ran all the same
                 self._on_refused(refusal.code)
                 raise refusal
         self._local.add(rate_key, member, now)
@@ -237,22 +240,19 @@ class UserQuota:
         """`reserved` in Redis; `failed` (Redis did not answer) or `unasked` (no Redis, or
         skipped after a failure): the local count decides. Raises the refusal when a window
         is full across replicas."""
-        if self._reserve_script is None or (self._failing and time.monotonic() < self._skip_until):
+        if self._redis is None or not self._redis.asks():
             return "unasked"
-        assert self._link is not None
         args: list[str | int | float] = [member]
         for window in self._limits:
             args += [window.limit, window.seconds]
         try:
-            async with asyncio.timeout(self._link.timeout_s * 2):
-                full, wait_ms = await self._reserve_script(keys=self._keys(rate_key, member), args=args)
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
-            return "failed"
+            reply = await self._redis.call(self._reserve_script(keys=self._keys(rate_key, member), args=args))
         except BaseException:  # cancelled: the place may have been taken all the same
-            self._spawn(self._remove_shared(rate_key, member))
+            self._give_back_later(rate_key, member)
             raise
-        self._recovered()
+        if reply is FAILED:
+            return "failed"
+        full, wait_ms = reply
         if full:
             refusal = _refused(self._limits[int(full) - 1], int(wait_ms) / 1000)
             self._on_refused(refusal.code)
@@ -262,62 +262,34 @@ class UserQuota:
     def _give_back(self, rate_key: str, member: str, *, shared: bool) -> None:
         self._local.remove(rate_key, member)
         if shared:
-            self._spawn(self._remove_shared(rate_key, member))
+            self._give_back_later(rate_key, member)
 
-    async def _remove_shared(self, rate_key: str, member: str) -> None:
-        if not await self._send_give_back(rate_key, member):
-            longest = max(window.seconds for window in self._limits)
-            self._unreturned[(rate_key, member)] = time.monotonic() + longest
-            if self._retrying is None or self._retrying.done():
-                self._retrying = asyncio.create_task(self._retry_give_backs())
+    def _give_back_later(self, rate_key: str, member: str) -> None:
+        assert self._unreturned is not None
+        self._unreturned.later((rate_key, member), self._longest_s)
 
     async def _send_give_back(self, rate_key: str, member: str) -> bool:
-        assert self._link is not None and self._give_back_script is not None
-        try:
-            async with asyncio.timeout(self._link.timeout_s * 2):
-                await self._give_back_script(keys=self._keys(rate_key, member), args=[member, TOMBSTONE_MS])
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
-            return False
-        return True
+        """Give a place back in Redis now; False (kept, to be sent again) if Redis failed."""
+        assert self._unreturned is not None
+        return await self._unreturned.send((rate_key, member), self._longest_s)
 
-    async def _retry_give_backs(self) -> None:
-        """Until every give-back Redis missed is taken, or its place has left its windows."""
-        while self._unreturned:
-            await asyncio.sleep(RETURN_RETRY_S)
-            now = time.monotonic()
-            for (rate_key, member), expires in list(self._unreturned.items()):
-                if expires <= now or await self._send_give_back(rate_key, member):
-                    self._unreturned.pop((rate_key, member), None)
-                else:
-                    break  # Redis still fails: the rest waits for the next round
+    async def _send_give_backs(self, places: list[tuple[str, str]]) -> None:
+        assert self._link is not None
+        async with self._link.client.pipeline(False) as pipe:
+            for rate_key, member in places:
+                keys = self._keys(rate_key, member)
+                await self._give_back_script(keys=keys, args=[member, TOMBSTONE_MS], client=pipe)
+            await pipe.execute()
 
     @property
     def unreturned(self) -> int:
-        """Give-backs Redis has not taken yet (sent again every `RETURN_RETRY_S`)."""
-        return len(self._unreturned)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """Give-backs Redis has not taken yet (sent again every `RESEND_S`)."""
+        return len(self._unreturned) if self._unreturned is not None else 0
 
     def _keys(self, rate_key: str, member: str) -> list[str]:
         assert self._link is not None
         windows = [self._link.key("user", rate_key, window.name) for window in self._limits]
         return [*windows, self._link.key("user", rate_key, "returned", member)]
-
-    def _failed(self, exc: BaseException) -> None:
-        self._on_error()
-        self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
-        if not self._failing:
-            self._failing = True
-            log.warning("per-user rate and quota: Redis failed (%s); counting this process's scans only", exc)
-
-    def _recovered(self) -> None:
-        if self._failing:
-            self._failing = False
-            log.info("per-user rate and quota: Redis answers again; counts are global")
 
     @property
     def callers(self) -> int:
@@ -326,12 +298,5 @@ class UserQuota:
 
     async def aclose(self) -> None:
         """Wait (bounded) for give-backs in flight; what is left leaves its window on its own."""
-        if self._retrying is not None:
-            self._retrying.cancel()
-            await asyncio.gather(self._retrying, return_exceptions=True)
-        if self._tasks:
-            timeout_s = self._link.timeout_s * 2 if self._link else 1.0
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._unreturned is not None:
+            await self._unreturned.aclose()

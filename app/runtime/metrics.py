@@ -28,6 +28,9 @@ from prometheus_client import (
 )
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
+# A scan costs fractions of a cent (gpt-4o-mini: ~$0.0006), a reasoning model's more.
+COST_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+
 # LLM calls take seconds; the library's default buckets stop at 10 s.
 LATENCY_BUCKETS = (
     0.005,
@@ -102,12 +105,15 @@ class Metrics:
         self._declare_scan_stream_metrics()
         self._declare_stage_metrics()
         self._declare_upstream_metrics()
+        self._declare_routing_metrics()
+        self._declare_route_limit_metrics()
         self._declare_budget_and_gate_metrics()
         self._declare_shared_budget_metrics()
         self._declare_cpu_lane_and_loop_metrics()
         self._declare_admission_and_lifecycle_metrics()
         self._declare_cache_metrics()
         self._declare_loop_capacity_metrics()
+        self._declare_cost_metrics()
         self._declare_genai_and_trace_metrics()
 
     def _declare_process_collectors(self) -> None:
@@ -272,7 +278,11 @@ class Metrics:
             ["model", "resource"],
             registry=r,
         )
-        # Routing over deployments (app/upstream/routes.py), by deployment name.
+
+    def _declare_routing_metrics(self) -> None:
+        """Routing over deployments (app/upstream/routes.py), by deployment name: where calls
+        went, each deployment's breaker, limit and failovers, negotiation, probes, hedges."""
+        r = self.registry
         self.upstream_routed = Counter(
             "ecoscan_upstream_routed_total",
             "Attempts sent to each deployment, by stage.",
@@ -327,7 +337,11 @@ class Metrics:
             ["stage", "outcome"],
             registry=r,
         )
-        # Each route's own concurrency limit (app/limits/route_limits.py), by deployment and stage.
+
+    def _declare_route_limit_metrics(self) -> None:
+        """Each route's own concurrency limit (app/limits/route_limits.py), by deployment and
+        stage, and restarted streams."""
+        r = self.registry
         self.upstream_limit = Gauge(
             "ecoscan_upstream_limit",
             "Each deployment's concurrency limit for a stage (its calls, queued at the stage gate or"
@@ -394,7 +408,7 @@ class Metrics:
         )
         self.limit = Gauge(
             "ecoscan_limit",
-            "Each limit in force now: vision_gate, answer_gate (calls in progress), admission (scans in"
+            "Each limit in force now: <stage>_gate per calling stage (calls in progress), admission (scans in"
             " flight), cpu_queue (CPU-lane jobs waiting), loop_rate (scans a second the event loop takes).",
             ["limit"],
             registry=r,
@@ -612,6 +626,30 @@ class Metrics:
             "ecoscan_cache_bytes",
             "Bytes of keys and replies held by the cache (UTF-8).",
             ["cache"],
+            registry=r,
+        )
+
+    def _declare_cost_metrics(self) -> None:
+        """What the upstream calls cost, priced from their usage (app/upstream/prices.py)."""
+        r = self.registry
+        self.upstream_cost = Counter(
+            "ecoscan_upstream_cost_usd_total",
+            "USD the upstream calls cost, priced from the usage each reply reported (retries and "
+            "hedges included), by deployment and model.",
+            ["deployment", "model"],
+            registry=r,
+        )
+        self.upstream_unpriced = Counter(
+            "ecoscan_upstream_unpriced_calls_total",
+            "Replies with usage from a model with no price (its scans' cost is unknown), by deployment"
+            " and model.",
+            ["deployment", "model"],
+            registry=r,
+        )
+        self.scan_cost = Histogram(
+            "ecoscan_scan_cost_usd",
+            "What one ended scan's upstream calls cost, USD (scans with an unpriced call not included).",
+            buckets=COST_BUCKETS,
             registry=r,
         )
 

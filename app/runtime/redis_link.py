@@ -1,13 +1,15 @@
 """The process's one connection to Redis, when `REDIS_URL` is set.
 
-Replicas that share an OpenAI key share three things through it: the rate budget
-(app/limits/shared_budget.py), the per-user caps (app/limits/shared_user_caps.py) and the
-events of running scans (app/scans/mirror.py). Every key lives under `REDIS_PREFIX`, so
-several deployments can share one server.
+Replicas share through it the rate budget (app/limits/shared_budget.py), the per-user
+caps (app/limits/shared_user_caps.py), rate and quota (app/limits/user_quota.py), the
+breakers (app/upstream/shared_breaker.py) and the events of running scans
+(app/scans/mirror.py). Every key lives under `REDIS_PREFIX`, so several deployments can
+share one server.
 
 Every command is bounded by `REDIS_TIMEOUT_S` (connect and read). Redis is never a
-reason to stop serving: each user of the link has its own fallback for when a call
-fails, and says so in its metrics and in one log line per outage, not per call.
+reason to stop serving: each user of the link goes on with a local state when a call
+fails (the shared ones through app/runtime/redis_fallback.py), and says so in its
+metrics and in one log line per outage, not per call.
 
 A restarted Redis leaves every pooled connection dead. So that the first command after
 the return does not fail (and send its caller to its fallback, where per-user caps count

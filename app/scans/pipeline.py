@@ -52,6 +52,7 @@ from app.scans.runner import ScanProgress, StageRunner
 from app.scans.store import ScanStore, TerminalRow
 from app.stages.context import AcceptedScan, ScanContext
 from app.upstream.call import safety_identifier
+from app.upstream.prices import ScanSpend
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,7 @@ class ScanPipeline:
         started = time.perf_counter()
         self._metrics.scans_in_flight.inc()
         outcome = "failed"
+        spend = ScanSpend.start()  # this task's calls (and its hedges') add to it
         try:
             run.started = True
             if run.cancel_requested:
@@ -213,6 +215,8 @@ class ScanPipeline:
             sampled = tracing.sampled_trace_id()
             exemplar = {"trace_id": sampled} if sampled is not None else None
             self._metrics.scan_duration.labels(outcome).observe(elapsed, exemplar)
+            if spend.total_usd is not None:
+                self._metrics.scan_cost.observe(spend.total_usd)
             if self._on_finished is not None and outcome == "completed":
                 self._on_finished(elapsed)
 
@@ -270,7 +274,7 @@ class ScanPipeline:
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
         done = events.next_entry(ScanDone("done", progress.result, progress.timings), 100)
         stored_log = events.to_json(done)
-        row = TerminalRow("completed", progress.result, progress.timings, events=stored_log)
+        row = TerminalRow("completed", progress.result, progress.timings, events=stored_log, cost_usd=_cost())
         delay = COMMIT_FIRST_RETRY_S
         while True:
             try:
@@ -323,7 +327,12 @@ class ScanPipeline:
         )
         stored_log = events.to_json(terminal)
         row = TerminalRow(
-            status, progress.result, progress.timings, (step, error.code, error.message), events=stored_log
+            status,
+            progress.result,
+            progress.timings,
+            (step, error.code, error.message),
+            events=stored_log,
+            cost_usd=_cost(),
         )
         writing = asyncio.create_task(self._write_terminal_row(scan, row))
         # Held until done: a write that outlives a cancelled scan must not be collected.
@@ -357,6 +366,12 @@ async def _traced(scan: AcceptedScan, work: Coroutine[Any, Any, None], *, adopte
     # Taken over, the stored parent; else the current span (the request's) is the parent.
     with tracing.span("scan", attributes, parent=scan.traceparent if adopted else None):
         await work
+
+
+def _cost() -> float | None:
+    """What the running scan's calls cost so far (read in its own task)."""
+    spend = ScanSpend.current.get()
+    return None if spend is None else spend.total_usd
 
 
 def _ms(seconds: float) -> float:

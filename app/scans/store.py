@@ -90,11 +90,11 @@ _FINISH_MANY = """
         situation_tags = r.situation_tags::jsonb, disposal_rules = r.disposal_rules::jsonb,
         answer = r.answer::jsonb, reward = r.reward::jsonb, timings = r.timings::jsonb,
         error_step = r.error_step, error_code = r.error_code, error_message = r.error_message,
-        event_log = r.event_log::json, finished_at = now()
+        event_log = r.event_log::json, cost_usd = r.cost_usd::numeric, finished_at = now()
     FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
-                $8::text[], $9::text[], $10::text[], $11::text[], $12::text[])
+                $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], $13::text[])
         AS r(id, status, classification, situation_tags, disposal_rules, answer, reward, timings,
-             error_step, error_code, error_message, event_log)
+             error_step, error_code, error_message, event_log, cost_usd)
     WHERE s.id = r.id
     RETURNING s.id"""
 
@@ -102,7 +102,7 @@ _FINISH = """
     UPDATE scans SET
         status = $2, classification = $3, situation_tags = $4, disposal_rules = $5,
         answer = $6, reward = $7, timings = $8, error_step = $9, error_code = $10,
-        error_message = $11, event_log = $12, finished_at = now()
+        error_message = $11, event_log = $12, cost_usd = $13::numeric, finished_at = now()
     WHERE id = $1"""
 
 # A row is lost when its instance holds no connection, and that instance must have had
@@ -158,6 +158,7 @@ class TerminalRow:
     timings: dict[str, Any] | None = None
     error: tuple[str, str, str] | None = None  # (step, code, message)
     events: str | None = None  # the event log as sent, terminal event included (EventLog.to_json)
+    cost_usd: float | None = None  # what its upstream calls cost; None: unknown (app/upstream/prices.py)
 
     def text_args(self) -> tuple[str | None, ...]:
         """`args` with the JSON values as text (`_FINISH_MANY`'s columns)."""
@@ -179,6 +180,7 @@ class TerminalRow:
             code,
             message,
             self.events,
+            None if self.cost_usd is None else repr(self.cost_usd),  # as text: numeric, exactly
         )
 
 

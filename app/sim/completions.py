@@ -71,6 +71,7 @@ class ChatCompletions:
             await self._fail(send, flavor.invalid(exc, config), headers)
             return
         stats.by_kind[request.kind] = stats.by_kind.get(request.kind, 0) + 1
+        stats.by_schema[request.schema_name] = stats.by_schema.get(request.schema_name, 0) + 1
         rejection = self._rejection(flavor, request, route, headers)
         if rejection is not None:
             await self._fail(send, rejection, headers)

@@ -12,6 +12,9 @@ from typing import Any
 KINDS = ("vision", "text")
 # The providers the simulator can play (app/sim/flavors.py) and the outage switch's modes.
 FLAVORS = ("openai", "azure", "gemini")
+# How a caller proves who it is: a key, or an access token a token service issued
+# (app/sim/issuer.py), valid until it expires.
+AUTHS = ("key", "token")
 OUTAGES = ("none", "503", "hang", "refuse")
 # The 200-path faults, in the order one request takes them (at most one each).
 REPLY_FAULTS = ("refuse", "content_filter", "truncate", "malformed")
@@ -30,6 +33,11 @@ class SimConfig:
     flavor: str = "openai"
     # "" accepts any non-empty key; otherwise only this one (others get the flavour's 401).
     api_key: str = ""
+    # key: `api_key` above. token: only a bearer token the token service sharing
+    # `token_secret` issued (app/sim/issuer.py), until it expires (then the flavour's 401);
+    # Azure then refuses `api-key` (its keys disabled).
+    auth: str = "key"
+    token_secret: str = ""
     # Azure: "deployment=model" pairs; a deployment named like a known model needs none.
     deployments: tuple[str, ...] = ()
     # Gemini: response_format schemas must stay within the OpenAPI subset of Gemini's
@@ -100,6 +108,9 @@ class SimConfig:
             object.__setattr__(self, f.name, _check_type(f.name, f.type, value))
         _one_of("flavor", self.flavor, FLAVORS)
         _one_of("outage", self.outage, OUTAGES)
+        _one_of("auth", self.auth, AUTHS)
+        if self.auth == "token" and not self.token_secret:
+            raise ValueError("token_secret must be set with auth token")
         _deployments(self.deployments)
         _at_least("vision_median_s", self.vision_median_s, 0.0)
         _at_least("text_median_s", self.text_median_s, 0.0)

@@ -53,6 +53,7 @@ from app.sim.errors import (
     error_body,
 )
 from app.sim.gemini import GoogleError, parse_gemini_request
+from app.sim.issuer import token_left
 from app.sim.models import family_for, listed_models
 from app.sim.ratelimit import ORGANIZATION, Denial, Header, format_duration, retry_headers
 from app.sim.reply import Reply, completion_body, usage
@@ -119,9 +120,13 @@ def _bearer(scope_headers: list[tuple[bytes, bytes]]) -> str | None:
 
 
 def _key_ok(given: str | None, config: SimConfig) -> bool:
-    """Any non-empty key unless ``api_key`` names the one."""
+    """Any non-empty key unless ``api_key`` names the one; with ``auth`` ``token``, a token
+    the token service issued that has not expired."""
     if not given:
         return False
+    if config.auth == "token":
+        left = token_left(given, config.token_secret)
+        return left is not None and left > 0
     return not config.api_key or given == config.api_key
 
 
@@ -289,6 +294,8 @@ class AzureFlavor(Flavor):
         self, headers: list[tuple[bytes, bytes]], route: Route, config: SimConfig
     ) -> Failure | None:
         key = header(headers, b"api-key")
+        if key is not None and config.auth == "token":
+            return Failure(403, _azure_error("AuthenticationTypeDisabled", _AZURE_KEYS_DISABLED))
         if key is not None:
             if _key_ok(key.decode("latin-1").strip(), config):
                 return None
@@ -296,8 +303,8 @@ class AzureFlavor(Flavor):
         bearer = _bearer(headers)
         if bearer is None:
             return Failure(401, _azure_error("401", _AZURE_NO_KEY))
-        if route.deployment is None and _key_ok(bearer, config):
-            return None  # the v1 API takes the key as a bearer too
+        if (route.deployment is None or config.auth == "token") and _key_ok(bearer, config):
+            return None  # the v1 API takes the key as a bearer too; both take an Entra token
         return Failure(401, _azure_error("401", _AZURE_BAD_TOKEN))
 
     def parse(self, body: dict[str, Any], route: Route, config: SimConfig) -> ChatRequest:
@@ -391,6 +398,20 @@ class GeminiFlavor(Flavor):
     header_style = "none"
     uses_prompt_cache = False
 
+    def route(self, method: str, path: str, query: bytes) -> Route | Failure:
+        # Vertex AI's OpenAI-compatible endpoint:
+        # /v1/projects/{project}/locations/{location}/endpoints/openapi/chat/completions
+        parts = path.split("/")
+        if (
+            len(parts) == 10
+            and parts[1:3] == ["v1", "projects"]
+            and parts[4] == "locations"
+            and parts[6:] == ["endpoints", "openapi", "chat", "completions"]
+            and all(parts[3:6])
+        ):
+            return _CHAT if method == "POST" else self.not_found(method, path, 405)
+        return super().route(method, path, query)
+
     def not_found(self, method: str, path: str, status: int = 404) -> Failure:
         return Failure(404, GoogleError(404, "Method not found.").body(False))
 
@@ -410,6 +431,15 @@ class GeminiFlavor(Flavor):
             return self._error(error, config)
         if not key:
             return self._error(GoogleError(401, _GOOGLE_UNAUTHENTICATED), config)
+        if config.auth == "token" and not _key_ok(key, config):
+            left = token_left(key, config.token_secret)
+            reason = "ACCESS_TOKEN_EXPIRED" if left is not None else "ACCESS_TOKEN_TYPE_UNSUPPORTED"
+            info = {
+                "@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                "reason": reason,
+                "domain": "googleapis.com",
+            }
+            return self._error(GoogleError(401, _GOOGLE_UNAUTHENTICATED, [info]), config)
         if not _key_ok(key, config):
             details: list[dict[str, Any]] = [
                 {
@@ -626,6 +656,7 @@ _AZURE_BAD_TOKEN = (
     "Unauthorized. Access token is missing, invalid, audience is incorrect "
     "(https://cognitiveservices.azure.com), or have expired."
 )
+_AZURE_KEYS_DISABLED = "Key based authentication is disabled for this resource."
 _AZURE_NO_DEPLOYMENT = (
     "The API deployment for this resource does not exist. If you created the deployment within the last "
     "5 minutes, please wait a moment and try again."

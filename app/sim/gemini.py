@@ -195,7 +195,7 @@ def parse_gemini_request(body: dict[str, Any], schema_subset: bool) -> ChatReque
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise GoogleError(400, "Model name must be specified.")
-    name = model.removeprefix("models/")
+    name = model.removeprefix("models/").removeprefix("google/")  # Vertex AI: publisher/model
     family = family_for(name, "gemini")
     if family is None:
         raise model_not_found(name)

@@ -56,6 +56,7 @@ class ChatRequest:
     deployment: str = ""  # Azure: the deployment the call named (its limits are its own)
     image_key: bytes = b""  # a digest of the images alone (what several items are drawn from)
     hangul: int = 0  # Hangul syllables in the prompt (see Flavor.charge)
+    schema_name: str = ""  # response_format.json_schema.name: which of a client's calls this is
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -108,7 +109,17 @@ def parse_request(body: dict[str, Any], deployment: tuple[str, str] | None = Non
         schema_key=prompt.schema_key,
         prefixes=prompt.prefixes,
         prompt_cache_key=body.get("prompt_cache_key") or "",
+        schema_name=_schema_name(body),
         deployment=deployment[0] if deployment is not None else "",
         image_key=prompt.image_key,
         hangul=prompt.hangul,
     )
+
+
+def _schema_name(body: dict[str, Any]) -> str:
+    """The structured output's name (a checked body's), or "" for a call without one."""
+    response_format = body.get("response_format")
+    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema":
+        return ""
+    name = (response_format.get("json_schema") or {}).get("name")
+    return name if isinstance(name, str) else ""

@@ -17,6 +17,9 @@ class SimStats:
         self.requests_total = 0
         self.by_status: dict[str, int] = {}
         self.by_kind: dict[str, int] = {"vision": 0, "text": 0}
+        # By the structured output's name: which of a client's calls each was, whatever its
+        # stages ("" for a call without a schema).
+        self.by_schema: dict[str, int] = {}
         self.rate_limited_total = 0
         self.tokens_charged_total = 0  # against TPM: prompt + cap per admitted request
         self.quota_rejected_total = 0
@@ -51,6 +54,7 @@ class SimStats:
             "requests_total": self.requests_total,
             "by_status": dict(self.by_status),
             "by_kind": dict(self.by_kind),
+            "by_schema": dict(self.by_schema),
             "rate_limited_total": self.rate_limited_total,
             "tokens_charged_total": self.tokens_charged_total,
             "quota_rejected_total": self.quota_rejected_total,

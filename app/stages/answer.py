@@ -51,7 +51,8 @@ from app.stages.rule import DisposalRules, RuleResult
 from app.stages.vision import VisionResult
 from app.upstream.call import ChatRequest, ChatResult
 from app.upstream.client import Upstream
-from app.upstream.reply_cache import CacheLimits, ReplyCache, request_digest
+from app.upstream.reply_cache import ReplyCache, request_digest
+from app.upstream.stage_call import StageCall
 from app.upstream.tokens import estimate_text_tokens
 
 ANSWER_SCHEMA: dict[str, Any] = {
@@ -178,27 +179,23 @@ class AnswerStage:
     upstream_calls = 1
     streams_text = True
     result_type = AnswerResult
+    call = StageCall("answer")  # the model's default sampling; the rest is ANSWER_* (`Settings.stage_call`)
 
     @classmethod
     async def start(cls, env: StageEnv) -> AnswerStage:
-        s = env.settings
-        limits = CacheLimits(s.answer_cache_entries, s.answer_cache_bytes, s.answer_cache_ttl_s)
-        return cls(
-            env.upstream,
-            delta_flush_s=s.delta_flush_ms / 1000,
-            timeout_s=s.answer_timeout_s,
-            cache=ReplyCache.bounded(cls.name, limits, clock=env.clock, metrics=env.metrics),
-        )
+        call = env.call(cls.name)
+        flush_s = env.settings.delta_flush_ms / 1000
+        return cls(env.upstream, call, delta_flush_s=flush_s, cache=env.reply_cache(call.stage))
 
     def __init__(
         self,
         upstream: Upstream,
+        call: StageCall,
         *,
         delta_flush_s: float,
-        timeout_s: float,
         cache: ReplyCache | None = None,
     ) -> None:
-        self.timeout_s = timeout_s
+        self.timeout_s = call.timeout_s
         self._upstream = upstream
         self._cache = cache
         self._delta_flush_s = delta_flush_s
@@ -209,7 +206,7 @@ class AnswerStage:
         # The schema is part of the prompt OpenAI counts; constant, so priced once.
         self._schema_tokens = estimate_text_tokens(json.dumps(self._response_format, ensure_ascii=False))
         # What shapes every request but its messages: the models that may answer it, the schema.
-        self._request_shape = request_digest(upstream.models("answer"), self._response_format)
+        self._request_shape = request_digest(upstream.models(self.name), self._response_format)
 
     def build_request(
         self, vision: VisionResult, rule: RuleResult, user_input: str | None, safety_id: str | None = None
@@ -236,7 +233,7 @@ class AnswerStage:
             },
         ]
         return ChatRequest(
-            "answer",
+            self.name,
             messages,
             response_format=self._response_format,
             safety_identifier=safety_id,

@@ -10,6 +10,8 @@ listed once in app/stages/order.py. Everything about it lives in its own module:
   its `completed` event's fields. The `done` event, the stored result, `timings`
   (`<name>_ms`) and the OpenAPI document's event schemas are all derived from it and
   from the stage list; nothing else describes a stage's output;
+- a stage that calls a model declares its `call` (a `StageCall`, app/upstream/stage_call.py):
+  its gate, routes, budget, reply cache and metrics follow from it (`CallingStageClass`);
 - `run(ctx)` returns that result, raising only errors from the error tree (a stage maps
   its own failures: the database stages their database errors).
 
@@ -33,6 +35,8 @@ from app.runtime.metrics import Metrics
 from app.settings import Settings
 from app.stages.context import ScanContext
 from app.upstream.client import Upstream
+from app.upstream.reply_cache import ReplyCache
+from app.upstream.stage_call import StageCall
 
 R_co = TypeVar("R_co", bound="StageResult", covariant=True)
 
@@ -79,6 +83,14 @@ class StageEnv:
     metrics: Metrics
     clock: Clock
     stack: AsyncExitStack
+    calls: Mapping[str, StageCall]  # every calling stage's call, as set (`Settings.stage_call`)
+
+    def call(self, stage: str) -> StageCall:
+        return self.calls[stage]
+
+    def reply_cache(self, stage: str) -> ReplyCache | None:
+        """The stage's reply cache, as its call bounds it (None: off)."""
+        return ReplyCache.bounded(stage, self.calls[stage].cache, clock=self.clock, metrics=self.metrics)
 
 
 class StageDeclaration(Protocol):
@@ -111,6 +123,14 @@ class StageClass(StageDeclaration, Protocol):
     """A stage's class, as the stage list holds it: what it is, and how it starts."""
 
     async def start(self, env: StageEnv) -> Stage[StageResult]: ...
+
+
+@runtime_checkable
+class CallingStageClass(Protocol):
+    """A stage class that calls a model: what it asks (`call`), which the settings resolve.
+    The lifespan builds a gate, routes and budgets for each (app/assembly/upstream.py)."""
+
+    call: ClassVar[StageCall]
 
 
 @runtime_checkable

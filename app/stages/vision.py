@@ -37,7 +37,8 @@ from app.stages.context import ScanContext, ScanInput
 from app.stages.items import MAX_ITEM_CHARS, MAX_TAGS, FoundItem, FoundItems, items_schema, parse_items
 from app.upstream.call import ChatRequest, ChatResult
 from app.upstream.client import Upstream
-from app.upstream.reply_cache import CacheLimits, ReplyCache, request_digest
+from app.upstream.reply_cache import ReplyCache, request_digest
+from app.upstream.stage_call import StageCall
 from app.upstream.tokens import estimate_text_tokens
 
 __all__ = ["MAX_ITEM_CHARS", "MAX_TAGS", "VisionResult", "VisionStage"]
@@ -94,37 +95,37 @@ class VisionStage:
     upstream_calls = 1
     streams_text = False
     result_type = VisionResult
+    # A classifier should give the same photo the same label (dropped where the model only
+    # takes the default); the rest is VISION_* (`Settings.stage_call`).
+    call = StageCall("vision", temperature=0.0, detail="low")
 
     @classmethod
     async def start(cls, env: StageEnv) -> VisionStage:
-        s = env.settings
-        limits = CacheLimits(s.vision_cache_entries, s.vision_cache_bytes, s.vision_cache_ttl_s)
+        call = env.call(cls.name)
         return cls(
             env.upstream,
             env.taxonomy,
-            detail=s.vision_detail,
-            timeout_s=s.vision_timeout_s,
-            max_items=s.max_items,
-            cache=ReplyCache.bounded(cls.name, limits, clock=env.clock, metrics=env.metrics),
+            call,
+            max_items=env.settings.max_items,
+            cache=env.reply_cache(call.stage),
         )
 
     def __init__(
         self,
         upstream: Upstream,
         taxonomy: Taxonomy,
+        call: StageCall,
         *,
-        detail: str,
-        timeout_s: float,
         max_items: int = 1,
         cache: ReplyCache | None = None,
     ) -> None:
-        self.timeout_s = timeout_s
+        self.timeout_s = call.timeout_s
         self._max_items = max_items
         self._system_prompt = ITEMS_PROMPT.format(max_items=max_items)
         self._upstream = upstream
         self._cache = cache
         self._taxonomy = taxonomy
-        self._detail = detail
+        self._detail = call.detail or "low"
         self._response_format = {
             "type": "json_schema",
             "json_schema": {
@@ -139,23 +140,23 @@ class VisionStage:
         # reserve on each route; its prompt priced once, what the limiter charges for it
         # as learned at the time of asking.
         typical = ChatRequest(
-            "vision",
+            self.name,
             self._messages(ScanInput("upload", "<photo>", None)),
             image_sizes={"<photo>": TYPICAL_IMAGE_SIZE},
             extra_prompt_tokens=self._schema_tokens,
         )
         self._typical_prompt = {
-            route.name: route.estimate(typical) for route in upstream.routes_for("vision")
+            route.name: route.estimate(typical) for route in upstream.routes_for(self.name)
         }
         # What shapes every request but the photo and the note, laid out as sent: the
         # models that may answer it, the schema, the prompt.
         template = self._messages(ScanInput("upload", "<photo>", "<note>"))
-        self._request_shape = request_digest(upstream.models("vision"), self._response_format, template)
+        self._request_shape = request_digest(upstream.models(self.name), self._response_format, template)
 
     def build_request(self, scan: ScanInput, *, safety_id: str | None = None) -> ChatRequest:
         sizes = {scan.image_url: (scan.image.width, scan.image.height)} if scan.image else None
         return ChatRequest(
-            "vision",
+            self.name,
             self._messages(scan),
             response_format=self._response_format,
             safety_identifier=safety_id,
@@ -183,7 +184,7 @@ class VisionStage:
     def predicted_budget_wait(self, owed_calls: int) -> float:
         """How long a new scan's vision call would wait for the budget: admission's test."""
         return self._upstream.predicted_wait(
-            "vision",
+            self.name,
             lambda route: route.limiter_tokens(self._typical_prompt[route.name], "image"),
             ahead=owed_calls,
         )

@@ -10,7 +10,8 @@ own requests (app/upstream/probes.py), never a user's call: only a closed breake
 `ready` for calls, and a call with nowhere to go waits for a return (`watch_closed`).
 
 A deployment can also be taken out: a key refused or a deployment that does not exist
-(401/403/404) for `OUT_RETRY_S`, an exhausted quota for `QUOTA_COOLDOWN_S`; then probed
+(401/403/404) for `OUT_RETRY_S`, an exhausted quota for `QUOTA_COOLDOWN_S`, a token that
+could not be had for `CREDENTIAL_RETRY_S`; then probed
 like an open one. Taking out is logged as an error: someone has to fix it.
 
 A success says the deployment works only if its call was sent after the last failure (a
@@ -43,6 +44,9 @@ OPEN_MAX_S = 60.0
 OUT_RETRY_S = 300.0
 # An exhausted quota (billing) comes back when someone pays, or at the period's turn.
 QUOTA_COOLDOWN_S = 600.0
+# No token to be had (app/upstream/credentials.py): its service may answer again soon.
+CREDENTIAL_RETRY_S = 30.0
+CREDENTIAL_REASON = "no credential"
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 

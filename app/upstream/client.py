@@ -46,11 +46,13 @@ from app.limits.timeouts import Deadline, ElasticDeadline, deadline_of
 from app.runtime import tracing
 from app.runtime.metrics import Metrics
 from app.upstream import genai
-from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S
+from app.upstream.breaker import CLOSED, CREDENTIAL_REASON, CREDENTIAL_RETRY_S, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
+from app.upstream.credentials import CredentialUnavailable
 from app.upstream.endpoint import StallWatch, until_eof
 from app.upstream.hedging import HedgePolicy, claim, race, sending, take_over
 from app.upstream.negotiation import NEGOTIATION_WAIT_S, NO_WAIT, Trial
+from app.upstream.prices import Pricing
 from app.upstream.probes import wait_for_return
 from app.upstream.routes import NoRoute, Route, Router
 from app.upstream.wire import (
@@ -128,6 +130,8 @@ class Upstream:
         self._retry = retry
         self._metrics = metrics
         self._clock = clock
+        # What each call cost (app/upstream/prices.py).
+        self._pricing = Pricing(((r.name, r.model, r.deployment.prices) for r in router.routes), metrics)
         # Every budget, by its key (limit group and model), once each.
         self.budgets: dict[str, RateBudget] = {}
         for route in router.routes:
@@ -574,6 +578,8 @@ class Upstream:
                 response.release()
         except aiohttp.ClientError as exc:  # its timeouts (connect, pool, read) included
             raise self._transport_failure(route, call, reservation, exc, result, sent_at) from exc
+        except CredentialUnavailable as exc:
+            raise self._credential_failure(route, reservation, exc) from None
         if usage is not None:
             self._settle(route, call, reservation, usage, result)
         check_finish(call, result)
@@ -635,6 +641,7 @@ class Upstream:
         by_deployment = self._metrics.upstream_prompt_tokens  # a provider's prompt cache is its own
         by_deployment.labels(route.name, call.stage, "prompt").inc(usage[0])
         by_deployment.labels(route.name, call.stage, "cached").inc(usage[3])
+        self._pricing.charge(route.name, call.model, usage)
         genai.used(self._metrics, route, usage, result)
 
     def _transport_failure(
@@ -662,6 +669,16 @@ class Upstream:
         if timeout:
             return AttemptFailed(UpstreamTimeout(), retry=True, reason="timeout")
         return AttemptFailed(UpstreamError(), retry=True, reason="connection")
+
+    def _credential_failure(
+        self, route: Route, reservation: Reservation, exc: CredentialUnavailable
+    ) -> AttemptFailed:
+        """No token to send (app/upstream/credentials.py): the request never left; the
+        deployment is out as for a refused key, until its probe gets a token."""
+        reservation.settle(None)
+        log.error("upstream %s: %s", route.name, exc)
+        route.breaker.take_out(self._clock.now(), CREDENTIAL_REASON, CREDENTIAL_RETRY_S)
+        return AttemptFailed(UpstreamRejected(REJECTED_KEY_MESSAGE), retry=True, reason="credential")
 
     def _status_failure(
         self,
@@ -700,6 +717,8 @@ class Upstream:
             # The provider's words go to the log only: the breaker's reason is shown by
             # /readyz and shared through Redis, so it is a code (`refused 401`).
             log.error("upstream %s refused the %s call with %d: %s", route.name, call.stage, status, message)
+            if status == 401 and route.endpoint.credential is not None:
+                route.endpoint.credential.refused()  # its probe sends a new token
             route.breaker.take_out(now, f"refused {status}", OUT_RETRY_S)
             # Another deployment may take the call; with none left, the scan ends here.
             return AttemptFailed(UpstreamRejected(REJECTED_KEY_MESSAGE), retry=True, reason=status_class)

@@ -3,12 +3,18 @@ with the limits its provider enforces.
 
 `UPSTREAMS` (a JSON array) or `UPSTREAMS_FILE` (a TOML file of `[[upstream]]` tables)
 list them; with neither, the `OPENAI_*` settings are one implicit deployment. Keys never
-sit in the list: `api_key_env` names the environment variable that holds one.
+sit in the list: `api_key_env` names the environment variable that holds one; `auth`
+says how else a deployment proves who calls (a token its provider's library fetches:
+app/upstream/providers/, credentials.py).
 
 A deployment's limits are its provider's for each of its models. Deployments that share
 a `limit_group` share its limits: two keys of one OpenAI organisation (or project) are
 one group, since OpenAI's limits belong to the organisation and model, not to the key.
 So a budget belongs to a limit group and a model, never to a key.
+
+Which model a deployment runs for each calling stage is `models` (`{"vision": ...,
+"answer": ..., "<stage>": ...}`); `vision_model` and `answer_model` are the two first
+stages' spelling of the same, folded into it.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-PROVIDERS = ("openai", "azure", "gemini", "compatible")
-STAGES = ("vision", "answer")
+from app.runtime.redaction import redact_url
+from app.upstream.prices import Price
+from app.upstream.providers import PROVIDERS
+
+STAGES = ("vision", "answer")  # the calling stages every list must serve (the lifespan checks its own)
 TOKEN_PARAMS = ("max_completion_tokens", "max_tokens")
 
 
@@ -44,10 +53,29 @@ class Deployment:
     priority: int = 0  # lower is tried first
     api_version: str | None = None  # Azure's classic layout (/openai/deployments/...?api-version=)
     token_param: str | None = None  # None: the model profile's choice
+    models: tuple[tuple[str, str], ...] = ()  # (stage, model), vision_model and answer_model folded in
+    auth: str = "key"  # how it proves who calls: its provider's `auths`
     api_key: str | None = field(default=None, repr=False, compare=False)  # resolved, never listed
+    # USD per 1M tokens by model, over the defaults (app/upstream/prices.py).
+    prices: Mapping[str, Price] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        merged = dict(self.models)
+        for stage, model in (("vision", self.vision_model), ("answer", self.answer_model)):
+            if model is not None and merged.setdefault(stage, model) != model:
+                raise DeploymentError(
+                    f"deployment {self.name!r}: {stage}_model: {model!r}, but models names {merged[stage]!r}"
+                )
+        object.__setattr__(self, "models", tuple(sorted(merged.items())))
+        object.__setattr__(self, "vision_model", merged.get("vision"))
+        object.__setattr__(self, "answer_model", merged.get("answer"))
 
     def model_for(self, stage: str) -> str | None:
-        return self.vision_model if stage == "vision" else self.answer_model
+        """The model this deployment runs for `stage`; None: it does not serve that stage."""
+        for served, model in self.models:
+            if served == stage:
+                return model
+        return None
 
     def budget_key(self, model: str) -> str:
         """The budget this deployment's calls to `model` spend: its limit group's. The
@@ -91,19 +119,19 @@ def parse_deployments(
     return deployments
 
 
-def check_deployments(deployments: Sequence[Deployment]) -> None:
-    """What only the whole list can show: unique names, every stage served, and one set
-    of limits per limit group and model."""
+def check_deployments(deployments: Sequence[Deployment], stages: Sequence[str] = STAGES) -> None:
+    """What only the whole list can show: unique names, every calling stage served, and
+    one set of limits per limit group and model."""
     names = [d.name for d in deployments]
     for name in names:
         if names.count(name) > 1:
             raise DeploymentError(f"deployment {name!r}: name: used twice")
-    for stage in STAGES:
+    for stage in stages:
         if not any(d.model_for(stage) for d in deployments):
-            raise DeploymentError(f"no deployment serves the {stage} stage (set {stage}_model on one)")
+            raise DeploymentError(f"no deployment serves the {stage} stage (name its model in models on one)")
     limits: dict[str, tuple[str, int, int]] = {}
     for d in deployments:
-        for model in {m for m in (d.vision_model, d.answer_model) if m}:
+        for model in {m for _, m in d.models}:
             key = d.budget_key(model)
             first = limits.setdefault(key, (d.name, d.rpm, d.tpm))
             if first[1:] != (d.rpm, d.tpm):
@@ -134,33 +162,36 @@ def _deployment(source: str, index: int, entry: object, environ: Mapping[str, st
     values: dict[str, Any] = {}
     for name in ("name", "provider", "base_url", "api_key_env", "vision_model", "answer_model"):
         values[name] = _text(where, name, entry.get(name))
-    for name in ("limit_group", "api_version", "token_param"):
+    for name in ("limit_group", "api_version", "token_param", "auth"):
         values[name] = _text(where, name, entry.get(name))
+    values["auth"] = values["auth"] or "key"
     values["limit_group"] = values["limit_group"] or values["name"]
     for name in ("rpm", "tpm"):
         values[name] = _count(where, name, entry[name], minimum=1)
     values["priority"] = _count(where, "priority", entry.get("priority", 0), minimum=0)
+    values["models"] = _models(where, entry.get("models", {}))
+    values["prices"] = _prices(where, entry.get("prices", {}))
     deployment = Deployment(**values)
     _check(where, deployment)
     return deployment if environ is None else with_key(deployment, environ)
 
 
 def _check(where: str, d: Deployment) -> None:
-    if d.provider not in PROVIDERS:
+    provider = PROVIDERS.get(d.provider)
+    if provider is None:
         raise DeploymentError(f"{where}: provider: one of {', '.join(PROVIDERS)}, got {d.provider!r}")
     parts = urlsplit(d.base_url)
     if parts.scheme not in ("https", "http") or not parts.hostname:
-        raise DeploymentError(f"{where}: base_url: an http(s):// URL, got {d.base_url!r}")
-    if not (d.vision_model or d.answer_model):
-        raise DeploymentError(f"{where}: vision_model / answer_model: set at least one")
+        raise DeploymentError(f"{where}: base_url: an http(s):// URL, got {redact_url(d.base_url)!r}")
+    if not d.models:
+        raise DeploymentError(f"{where}: vision_model / answer_model (or models): set at least one")
     if d.token_param is not None and d.token_param not in TOKEN_PARAMS:
         raise DeploymentError(
             f"{where}: token_param: one of {', '.join(TOKEN_PARAMS)}, got {d.token_param!r}"
         )
-    if d.api_key_env is None and d.provider != "compatible":
-        raise DeploymentError(f"{where}: api_key_env: required for provider {d.provider!r}")
-    if d.api_version is not None and d.provider != "azure":
-        raise DeploymentError(f"{where}: api_version: only for provider 'azure'")
+    problem = provider.check(d)
+    if problem is not None:
+        raise DeploymentError(f"{where}: {problem}")
 
 
 def with_key(d: Deployment, environ: Mapping[str, str]) -> Deployment:
@@ -171,6 +202,17 @@ def with_key(d: Deployment, environ: Mapping[str, str]) -> Deployment:
     if not key:
         raise DeploymentError(f"deployment {d.name!r}: api_key_env: {d.api_key_env} is not set")
     return replace(d, api_key=key)
+
+
+def _models(where: str, value: object) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict):
+        raise DeploymentError(f"{where}: models: an object of stage names to models, got {value!r}")
+    pairs = []
+    for stage, model in value.items():
+        if not isinstance(model, str) or not model.strip():
+            raise DeploymentError(f"{where}: models.{stage}: a non-empty string, got {model!r}")
+        pairs.append((str(stage).strip(), model.strip()))
+    return tuple(pairs)
 
 
 def _text(where: str, name: str, value: object) -> str | None:
@@ -185,3 +227,24 @@ def _count(where: str, name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise DeploymentError(f"{where}: {name}: an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _prices(where: str, value: object) -> dict[str, Price]:
+    """`{"<model>": {"input": .., "cached_input": .., "output": ..}}`, USD per 1M tokens;
+    `cached_input` defaults to `input` (no discount known)."""
+    if not isinstance(value, dict):
+        raise DeploymentError(f"{where}: prices: an object of models, got {value!r}")
+    prices = {}
+    for model, rates in value.items():
+        at = f"{where}: prices.{model}"
+        if not isinstance(rates, dict) or not {"input", "output"} <= set(rates) <= set(_RATES):
+            raise DeploymentError(f"{at}: an object of {', '.join(_RATES)} (input and output required)")
+        for name, rate in rates.items():
+            if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate < float("inf"):
+                raise DeploymentError(f"{at}.{name}: USD per 1M tokens, a number >= 0, got {rate!r}")
+        cached = rates["cached_input"] if "cached_input" in rates else rates["input"]
+        prices[model] = Price(float(rates["input"]), float(cached), float(rates["output"]))
+    return prices
+
+
+_RATES = ("input", "cached_input", "output")

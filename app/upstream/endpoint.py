@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import urllib.request
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
 import yarl
+
+from app.upstream.credentials import Credential
 
 # Who calls: an OpenAI-compatible server sees this, not the SDK's platform headers.
 USER_AGENT = "ecoscan"
@@ -37,12 +38,15 @@ class ChatEndpoint:
     proxy_auth: aiohttp.BasicAuth | None
     # The longest pause of a streamed body, and the least wait for a reply's head.
     read_timeout_s: float | None
+    # A credential asked on every request (a token, a signature); None: a key, in the
+    # session's headers.
+    credential: Credential | None = None
 
     @classmethod
     def open(
         cls,
         url: str,
-        headers: Mapping[str, str],
+        credential: Credential,
         *,
         connect_timeout_s: float,
         read_timeout_s: float,
@@ -50,10 +54,14 @@ class ChatEndpoint:
         keepalive_s: float,
     ) -> ChatEndpoint:
         """The endpoint at `url` and its connection pool (an aiohttp session: `aclose` it);
-        `headers`: the provider's auth (app/upstream/providers/)."""
+        `credential`: the provider's auth (app/upstream/providers/, credentials.py)."""
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_s),
-            headers={"Content-Type": "application/json", "User-Agent": USER_AGENT, **headers},
+            headers={
+                "Content-Type": "application/json",
+                "User-Agent": USER_AGENT,
+                **credential.session_headers(),
+            },
             # `connect` bounds the wait for a pooled connection and the connect, `sock_connect`
             # the connect itself. The waits for the reply are ours: for its head (and a whole
             # reply) as long as the deployment's replies take (`Upstream._reply`), then a
@@ -62,12 +70,18 @@ class ChatEndpoint:
                 sock_connect=connect_timeout_s, sock_read=None, connect=connect_timeout_s
             ),
         )
-        return cls(session, url, *env_proxy(url), read_timeout_s)
+        per_request = credential if credential.per_request else None
+        return cls(session, url, *env_proxy(url), read_timeout_s, per_request)
 
     async def post(self, body: bytes) -> aiohttp.ClientResponse:
         """The response as soon as its head is in (redirects followed); the caller reads and
-        releases it."""
-        return await self.session.post(self.url, data=body, proxy=self.proxy, proxy_auth=self.proxy_auth)
+        releases it. `CredentialUnavailable` when the credential has no token to send."""
+        if self.credential is None:
+            return await self.session.post(self.url, data=body, proxy=self.proxy, proxy_auth=self.proxy_auth)
+        headers = await self.credential.headers(self.url, body)
+        return await self.session.post(
+            self.url, data=body, headers=headers, proxy=self.proxy, proxy_auth=self.proxy_auth
+        )
 
     def watch_stream(self, response: aiohttp.ClientResponse) -> StallWatch | None:
         """A streamed body's read timeout: a `StallWatch` rather than aiohttp's timer, which

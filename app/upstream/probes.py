@@ -26,8 +26,16 @@ import orjson
 from app.limits.clock import Clock
 from app.limits.rate_budget import BudgetDeadlineExceeded, Reservation
 from app.runtime.metrics import Metrics
-from app.upstream.breaker import CLOSED, OUT_RETRY_S, QUOTA_COOLDOWN_S, Breaker
+from app.upstream.breaker import (
+    CLOSED,
+    CREDENTIAL_REASON,
+    CREDENTIAL_RETRY_S,
+    OUT_RETRY_S,
+    QUOTA_COOLDOWN_S,
+    Breaker,
+)
 from app.upstream.call import AttemptFailed, ChatRequest, ChatResult
+from app.upstream.credentials import CredentialUnavailable
 from app.upstream.routes import Route
 from app.upstream.shared_breaker import SharedBreakers
 from app.upstream.wire import error_body, read_completion
@@ -181,6 +189,8 @@ class Prober:
             breaker.take_out(now, "probe refused: a key or a deployment", OUT_RETRY_S)
         elif verdict == "quota":
             breaker.take_out(now, "insufficient_quota", QUOTA_COOLDOWN_S)
+        elif verdict == "credential":
+            breaker.take_out(now, CREDENTIAL_REASON, CREDENTIAL_RETRY_S)
         else:
             breaker.failed(now, verdict, wait_s, sent_at=sent_at)
         return "ok" if verdict == "ok" else "failed"
@@ -193,6 +203,10 @@ class Prober:
                 content = await response.read()
         except TimeoutError:
             return "timeout", None
+        except CredentialUnavailable as exc:
+            log.error("upstream %s: the probe has no credential: %s", route.name, exc)
+            reservation.settle(None)  # never sent
+            return "credential", None
         except aiohttp.ClientConnectorError:
             reservation.settle(None)  # never sent: not counted
             return "connection", None

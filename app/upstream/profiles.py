@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-from app.upstream.tokens import TILES_GPT_4O, ImageBilling
+from app.upstream.tokens import TILES_GPT_4O, GeminiTiles, ImageBilling, Patches, Tiles
 
 TokenParam = Literal["max_completion_tokens", "max_tokens"]
 TOKEN_PARAM_CHOICES = ("auto", "max_completion_tokens", "max_tokens")
@@ -85,11 +85,11 @@ class ModelProfile:
 
 
 def _tiles(base: int, tile: int) -> ImageBilling:
-    return ImageBilling("tiles", base_tokens=base, tile_tokens=tile)
+    return Tiles(base, tile)
 
 
 def _patches(multiplier: float) -> ImageBilling:
-    return ImageBilling("patches", patch_multiplier=multiplier)
+    return Patches(multiplier)
 
 
 def _reasoning(family: str, image: ImageBilling, efforts: tuple[str, ...], default: str) -> ModelProfile:
@@ -120,7 +120,7 @@ _TABLE: dict[str, ModelProfile] = {
 }
 # Gemini (its OpenAI-compatible endpoint): `max_tokens`, free sampling, images in 768-px
 # tiles; 2.5's thinking set by `reasoning_effort` (Flash can turn it off, Pro cannot).
-_GEMINI_TILES = ImageBilling("gemini_tiles")
+_GEMINI_TILES = GeminiTiles()
 _GEMINI_FLASH = ("none", "low", "medium", "high")
 _TABLE.update(
     {
@@ -139,6 +139,9 @@ DEFAULT_PROFILE = ModelProfile("default", TILES_GPT_4O, openai=False)
 
 
 def profile_for(model: str) -> ModelProfile:
+    """By the model's own name: a publisher's prefix (Vertex AI's `google/gemini-2.5-flash`)
+    names who made it, not what it is."""
+    model = model.rpartition("/")[2]
     for prefix, profile in _BY_LENGTH:
         if model == prefix or (model.startswith(prefix) and _continues(model, prefix)):
             return profile

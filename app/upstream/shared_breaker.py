@@ -22,7 +22,8 @@ change; and `<prefix>:breaker:<id>:probe`, the replica whose call probes it, for
   that out and the call goes elsewhere.
 - Redis failing never fails a call: each replica's breakers go on alone, as without
   REDIS_URL. The failure is counted (`ecoscan_upstream_breaker_redis_errors_total`),
-  logged once per outage, and for `SKIP_AFTER_FAILURE_S` Redis is not asked.
+  logged once per outage, and for `RETRY_AFTER_FAILURE_S` Redis is not asked
+  (app/runtime/redis_fallback.py); once it answers, what is pending is written first.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Mapping
 
 from app.limits.clock import Clock
-from app.runtime.redis_link import RedisError, RedisLink
+from app.runtime.redis_fallback import FAILED, RedisFallback
+from app.runtime.redis_link import RedisLink
 from app.upstream.breaker import Breaker
 
 __all__ = ["PROBE_LEASE_S", "SYNC_S", "SharedBreakers"]
@@ -49,9 +50,6 @@ SYNC_S = 0.5
 PROBE_LEASE_S = 30.0
 # A deployment's hash outlives its last change this long (then it reads as never opened).
 KEEP_S = 3600.0
-# After Redis failed, probes do not ask it for this long: a hung Redis must not add its
-# timeout to every probe.
-SKIP_AFTER_FAILURE_S = 1.0
 
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 
@@ -144,7 +142,14 @@ class SharedBreakers:
         self._clock = clock
         self.holder = holder
         self._sync_s = sync_s
-        self._on_error = on_error or (lambda: None)
+        self._redis = RedisFallback(
+            link,
+            "breakers",
+            log=log,
+            local="each replica's breakers go on alone",
+            shared="breakers are shared",
+            on_error=on_error,
+        )
         self._opened = link.script(_OPENED)
         self._closed = link.script(_CLOSED)
         self._release = link.script(_RELEASE)
@@ -156,8 +161,6 @@ class SharedBreakers:
         self._pending: dict[str, tuple[str | None, bool]] = {}
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.failing = False
-        self._skip_until = 0.0
         for breaker in breakers.values():
             breaker.listener = self
 
@@ -171,13 +174,12 @@ class SharedBreakers:
             await asyncio.gather(self._task, return_exceptions=True)
         for breaker in self._breakers.values():
             breaker.listener = None
-        if self._pending and not self.failing:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await self._write_pending()
+        if self._pending and self._redis.shared:
+            await self._redis.call(self._write_pending())
 
     @property
     def shared(self) -> bool:
-        return not self.failing
+        return self._redis.shared
 
     # ----- this replica's changes (BreakerListener) ---------------------------------------
 
@@ -200,16 +202,12 @@ class SharedBreakers:
     async def claim_probe(self, breaker: Breaker) -> float | None:
         """None: this replica may probe `breaker`'s deployment (the probe is ours, or Redis
         could not say); else the seconds another replica's probe or cooldown has left."""
-        if self.failing and time.monotonic() < self._skip_until:
+        if not self._redis.asks():
             return None
         keys = self._keys(self._ids[breaker])
-        try:
-            async with asyncio.timeout(self._link.timeout_s * 2):
-                reply = await self._claim(keys=keys, args=[self.holder, PROBE_LEASE_S])
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
+        reply = await self._redis.call(self._claim(keys=keys, args=[self.holder, PROBE_LEASE_S]))
+        if reply is FAILED:
             return None
-        self._recovered()
         wait = float(reply)
         return wait if wait > 0 else None
 
@@ -221,18 +219,16 @@ class SharedBreakers:
                 async with asyncio.timeout(self._sync_s):
                     await self._kick.wait()
             self._kick.clear()
-            if self.failing and time.monotonic() < self._skip_until:
+            if not self._redis.asks():
                 continue
             try:
-                async with asyncio.timeout(self._link.timeout_s * 2):
-                    await self._write_pending()
-                    await self._adopt()
-            except (RedisError, OSError, TimeoutError) as exc:
-                self._failed(exc)
+                await self._redis.call(self._sync())
             except Exception:  # a bug must not end the sharing for good
                 log.exception("breakers: syncing with Redis failed")
-            else:
-                self._recovered()
+
+    async def _sync(self) -> None:
+        await self._write_pending()
+        await self._adopt()
 
     async def _write_pending(self) -> None:
         while self._pending:
@@ -278,15 +274,3 @@ class SharedBreakers:
 
     def _keys(self, name: str) -> list[str]:
         return [self._link.key("breaker", name), self._link.key("breaker", name, "probe")]
-
-    def _failed(self, exc: BaseException) -> None:
-        self._on_error()
-        self._skip_until = time.monotonic() + SKIP_AFTER_FAILURE_S
-        if not self.failing:
-            self.failing = True
-            log.warning("breakers: Redis failed (%s); each replica's breakers go on alone", exc)
-
-    def _recovered(self) -> None:
-        if self.failing:
-            self.failing = False
-            log.info("breakers: Redis answers again; breakers are shared")

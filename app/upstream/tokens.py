@@ -5,8 +5,8 @@ usage afterwards, so erring high costs a little throughput for one call and erri
 a 429. Every rule here errs high.
 
 - Text: ceil(ascii_chars / 4) + non_ascii_chars (Korean ≈ 1 token per character).
-- Images: billed per model (`ImageBilling`, chosen in `app/upstream/profiles.py`, or by the
-  provider: app/upstream/providers/), by one of OpenAI's two published rules: 512-px
+- Images: billed per model (an `ImageBilling`, chosen in `app/upstream/profiles.py`, or by
+  the provider: app/upstream/providers/), here by one of OpenAI's two published rules: 512-px
   *tiles* (base + per-tile tokens; `low` detail is the base alone) or 32-px *patches*
   (capped at 1536, times a per-model multiplier; `detail` does not lower the cost); or by
   Gemini's: 258 tokens per 768-px tile, one tile for an image of at most 384 px a side.
@@ -18,13 +18,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Protocol
 
 __all__ = [
     "MESSAGE_OVERHEAD_TOKENS",
     "REPLY_PRIMING_TOKENS",
     "TILES_GPT_4O",
+    "GeminiTiles",
     "ImageBilling",
+    "Patches",
+    "Tiles",
     "estimate_chat_tokens",
     "estimate_image_tokens",
     "estimate_text_tokens",
@@ -42,26 +45,46 @@ _PATCH = 32
 _MAX_PATCHES = 1536
 
 
-@dataclass(frozen=True)
-class ImageBilling:
-    """How one model family bills an image input."""
+class ImageBilling(Protocol):
+    """How one model family bills an image input: any object with this method (a
+    provider may bring its own: `Provider.image_billing`, app/upstream/providers/)."""
 
-    rule: Literal["tiles", "patches", "gemini_tiles"]
-    base_tokens: int = 0  # tiles: the flat part, and all of a `low`-detail image
-    tile_tokens: int = 0  # tiles: per 512-px tile at `high`/`auto`
-    patch_multiplier: float = 0.0  # patches: tokens per 32-px patch
+    def tokens(self, width: int | None, height: int | None, detail: str = "auto") -> int: ...
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """OpenAI's 512-px tiles: `base_tokens` + `tile_tokens` per tile at `high`/`auto`;
+    a `low`-detail image is the base alone."""
+
+    base_tokens: int
+    tile_tokens: int
 
     def tokens(self, width: int | None, height: int | None, detail: str = "auto") -> int:
-        if self.rule == "patches":
-            return math.ceil(_patches(width, height) * self.patch_multiplier)
-        if self.rule == "gemini_tiles":
-            return GEMINI_TILE_TOKENS * _gemini_tiles(width, height)
         if detail.strip().lower() == "low":
             return self.base_tokens
         return self.base_tokens + self.tile_tokens * _tiles(width, height)
 
 
-TILES_GPT_4O = ImageBilling("tiles", base_tokens=85, tile_tokens=170)
+@dataclass(frozen=True)
+class Patches:
+    """OpenAI's 32-px patches (capped), times a per-model multiplier; `detail` changes nothing."""
+
+    multiplier: float
+
+    def tokens(self, width: int | None, height: int | None, detail: str = "auto") -> int:
+        return math.ceil(_patches(width, height) * self.multiplier)
+
+
+@dataclass(frozen=True)
+class GeminiTiles:
+    """Gemini's 768-px tiles, 258 tokens each (see `_gemini_tiles`)."""
+
+    def tokens(self, width: int | None, height: int | None, detail: str = "auto") -> int:
+        return GEMINI_TILE_TOKENS * _gemini_tiles(width, height)
+
+
+TILES_GPT_4O = Tiles(85, 170)
 
 
 def estimate_text_tokens(text: str) -> int:

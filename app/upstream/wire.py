@@ -156,12 +156,16 @@ def _read_batch(payloads: list[bytes], result: ChatResult, usage: Usage | None) 
 def _usage_of(u: dict[str, Any]) -> Usage:
     details = u.get("completion_tokens_details") or {}
     prompt_details = u.get("prompt_tokens_details") or {}
-    return (
-        _token_count(u.get("prompt_tokens", 0)),
-        _token_count(u.get("completion_tokens", 0)),
-        _token_count(details.get("reasoning_tokens") or 0),
-        _token_count(prompt_details.get("cached_tokens") or 0),
-    )
+    prompt = _token_count(u.get("prompt_tokens", 0))
+    completion = _token_count(u.get("completion_tokens", 0))
+    reasoning = _token_count(details.get("reasoning_tokens") or 0)
+    total = u.get("total_tokens")
+    if not reasoning and type(total) is int and total > prompt + completion:
+        # Gemini's OpenAI layer counts only the visible reply as completion and the
+        # thinking in the total alone; both are billed as output, as OpenAI counts them.
+        reasoning = _token_count(total - prompt - completion)
+        completion += reasoning
+    return (prompt, completion, reasoning, _token_count(prompt_details.get("cached_tokens") or 0))
 
 
 def _bad_shape() -> AttemptFailed:

@@ -109,33 +109,7 @@ def event_models(stages: Sequence[StageClass]) -> dict[str, list[type[BaseModel]
         "starts again (on another deployment); the `delta`s that follow are the new text.",
         step=(_one_of(streaming) if streaming else str, ...),
     )
-    per_stage = {f"{name}_ms": (float, ...) for name in names}
-    timings = _model(
-        "Timings", None, base=BaseModel, prepare_ms=(float, ...), **per_stage, total_ms=(float, ...)
-    )
-    done_fields: dict[str, Any] = {}
-    for stage in stages:
-        done_fields.update(_result_fields(stage, done=True))
-    calling = [stage.name for stage in stages if stage.upstream_calls]
-    if calling:
-        served = _model(
-            "Upstreams",
-            "The deployment that served each stage that calls a model (null: a cached reply).",
-            base=BaseModel,
-            **{name: (str | None, ...) for name in calling},
-        )
-        done_fields["upstreams"] = (served, ...)
-    done = _model(
-        "DoneEvent",
-        "`event: done`: terminal success; authoritative over the deltas.",
-        step=(_one_of(["done"]), ...),
-        **done_fields,
-        timings=(timings, ...),
-        trace_id=(
-            str | None,
-            Field(None, description="The scan's trace (32 hex digits), when traces are on (`OTEL_*`)."),
-        ),
-    )
+    done = _done_model(stages)
     failed_step = (
         f"The step that failed: {', '.join(names)} or done; `client` when the client went away and "
         "did not come back in time (`CLIENT_DISCONNECTED`, read back later)."
@@ -164,6 +138,37 @@ def event_models(stages: Sequence[StageClass]) -> dict[str, list[type[BaseModel]
         "done": [done],
         "error": [error],
     }
+
+
+def _done_model(stages: Sequence[StageClass]) -> type[BaseModel]:
+    """`done`: every stage's result fields, who served each calling stage, the timings."""
+    per_stage = {f"{stage.name}_ms": (float, ...) for stage in stages}
+    timings = _model(
+        "Timings", None, base=BaseModel, prepare_ms=(float, ...), **per_stage, total_ms=(float, ...)
+    )
+    done_fields: dict[str, Any] = {}
+    for stage in stages:
+        done_fields.update(_result_fields(stage, done=True))
+    calling = [stage.name for stage in stages if stage.upstream_calls]
+    if calling:
+        served = _model(
+            "Upstreams",
+            "The deployment that served each stage that calls a model (null: a cached reply).",
+            base=BaseModel,
+            **{name: (str | None, ...) for name in calling},
+        )
+        done_fields["upstreams"] = (served, ...)
+    return _model(
+        "DoneEvent",
+        "`event: done`: terminal success; authoritative over the deltas.",
+        step=(_one_of(["done"]), ...),
+        **done_fields,
+        timings=(timings, ...),
+        trace_id=(
+            str | None,
+            Field(None, description="The scan's trace (32 hex digits), when traces are on (`OTEL_*`)."),
+        ),
+    )
 
 
 def item_event_models(stages: Sequence[StageClass]) -> dict[str, list[type[BaseModel]]]:

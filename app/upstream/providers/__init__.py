@@ -1,11 +1,33 @@
-"""The providers a deployment can be, by `provider` name: one module each."""
+"""The providers a deployment can be, by `provider` name: one module each in this package,
+found by listing it. A module registers its provider (`register`); adding a provider is
+adding its module (and its tests). `PROVIDERS` is the one list: app/upstream/deployments.py
+checks a deployment's `provider` against it, app/resources.py builds each route from it."""
 
 from __future__ import annotations
 
-from app.upstream.providers.azure import Azure
-from app.upstream.providers.base import Provider
-from app.upstream.providers.compatible import Compatible
-from app.upstream.providers.gemini import Gemini
-from app.upstream.providers.openai import OpenAI
+import importlib
+import pkgutil
 
-PROVIDERS: dict[str, Provider] = {p.name: p for p in (OpenAI(), Azure(), Gemini(), Compatible())}
+from app.upstream.providers.base import Provider
+
+PROVIDERS: dict[str, Provider] = {}
+
+
+def register(provider: Provider) -> Provider:
+    """Make `provider` a `provider` name deployments may use (its module calls this)."""
+    known = PROVIDERS.get(provider.name)
+    if known is not None and type(known) is not type(provider):
+        raise ValueError(f"provider {provider.name!r} is registered twice")
+    PROVIDERS[provider.name] = provider
+    return provider
+
+
+def discover() -> dict[str, Provider]:
+    """Import every module of this package (its `__path__`), each registering its provider."""
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "base":
+            importlib.import_module(f"{__name__}.{module.name}")
+    return PROVIDERS
+
+
+discover()

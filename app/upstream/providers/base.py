@@ -1,17 +1,39 @@
 """What differs between the providers a deployment can be, in one class a provider: where
-the endpoint is, how the key is sent, how its limiter counts a request, where an error
-says how long to wait, what a request may carry. `Provider` itself is OpenAI's behaviour;
-each other provider's module overrides what its provider does differently."""
+the endpoint is, how it knows who calls (a key, a token: its `credential`), how its
+limiter counts a request and bills an image, where an error says how long to wait, what
+a request may carry. `Provider` itself is OpenAI's behaviour; each other provider's module
+overrides what its provider does differently and registers itself (app/upstream/providers/)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from app.limits.retry import retry_after_from_headers
-from app.upstream.deployments import Deployment
+from app.upstream.credentials import Credential, StaticHeaders
 from app.upstream.tokens import ImageBilling
+
+KEY = "key"
+
+
+class Deployment(Protocol):
+    """What a provider reads of a deployment (`Deployment` in app/upstream/deployments.py,
+    which checks each against the registered providers: not imported here, so no cycle)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def base_url(self) -> str: ...
+    @property
+    def auth(self) -> str: ...
+    @property
+    def api_key_env(self) -> str | None: ...
+    @property
+    def api_key(self) -> str | None: ...
+    @property
+    def api_version(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -37,9 +59,33 @@ class Provider:
     unsupported_fields: frozenset[str] = frozenset()
     # JSON Schema keywords its `response_format` refuses (dropped from our schemas here).
     unsupported_schema_keywords: frozenset[str] = frozenset()
+    # A deployment's `auth`: how it proves who calls; the first is the default. `key`: the
+    # key in the variable `api_key_env` names.
+    auths: tuple[str, ...] = (KEY,)
+    # Whether a `key` deployment must name its key (a local server may take none).
+    key_required = True
+    # Whether a deployment of it may set `api_version` (Azure's classic layout).
+    versioned = False
+
+    def check(self, deployment: Deployment) -> str | None:
+        """What is wrong with `deployment` for this provider, as `field: why` (None: nothing)."""
+        d = deployment
+        if d.auth not in self.auths:
+            return f"auth: one of {', '.join(self.auths)} for provider {self.name!r}, got {d.auth!r}"
+        if d.auth == KEY and d.api_key_env is None and self.key_required:
+            return f"api_key_env: required for provider {self.name!r}"
+        if d.auth != KEY and d.api_key_env is not None:
+            return f"api_key_env: not used with auth {d.auth!r}"
+        if d.api_version is not None and not self.versioned:
+            return f"api_version: not for provider {self.name!r}"
+        return None
 
     def chat_url(self, deployment: Deployment, model: str) -> str:
         return deployment.base_url.rstrip("/") + "/chat/completions"
+
+    def credential(self, deployment: Deployment) -> Credential:
+        """What its requests carry to prove who calls: by default its key, fixed."""
+        return StaticHeaders(self.auth_headers(deployment))
 
     def auth_headers(self, deployment: Deployment) -> dict[str, str]:
         return {"Authorization": f"Bearer {deployment.api_key}"} if deployment.api_key else {}
