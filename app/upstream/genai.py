@@ -26,13 +26,19 @@ PROVIDER_NAMES = {"openai": "openai", "azure": "azure.ai.openai", "gemini": "gcp
 OTHER_PROVIDER = "_OTHER"
 
 
-def provider_name(provider: str) -> str:
-    return PROVIDER_NAMES.get(provider, OTHER_PROVIDER)
+# Gemini through Vertex AI (`auth = "vertex_ai"`) is its own provider in the conventions.
+VERTEX_AI = "gcp.vertex_ai"
+
+
+def provider_name(route: Route) -> str:
+    if route.provider.name == "gemini" and route.deployment.auth == "vertex_ai":
+        return VERTEX_AI
+    return PROVIDER_NAMES.get(route.provider.name, OTHER_PROVIDER)
 
 
 def _where(route: Route) -> tuple[str, str, str, str]:
     """The labels every GenAI metric starts with."""
-    return OPERATION, provider_name(route.provider.name), route.name, route.model
+    return OPERATION, provider_name(route), route.name, route.model
 
 
 @functools.lru_cache(maxsize=64)
@@ -52,7 +58,7 @@ async def _in_span(attempt: Awaitable[T], route: Route, call: ChatCall) -> T:
     address, port = _server(route.deployment.base_url)
     attributes: dict[str, str | int] = {
         "gen_ai.operation.name": OPERATION,
-        "gen_ai.provider.name": provider_name(route.provider.name),
+        "gen_ai.provider.name": provider_name(route),
         "gen_ai.request.model": call.model,
         "server.address": address,
         "server.port": port,
