@@ -10,13 +10,15 @@
 # reach. Every stage uses the same base, so the venv's interpreter path holds in the last.
 ARG BASE_IMAGE=python:3.11-slim
 
-# The dependency list alone, out of pyproject.toml: the builder copies this file, so
+# The dependency list alone (with the `otel` extra: traces when OTEL_* asks for them), out
+# of pyproject.toml: the builder copies this file, so
 # its install layer is reused until the dependencies change (not on every edit of
 # pyproject.toml's tool sections).
 FROM ${BASE_IMAGE} AS requirements
 COPY pyproject.toml /tmp/pyproject.toml
 RUN python -c "import tomllib; \
-deps = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']; \
+project = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+deps = project['dependencies'] + project['optional-dependencies']['otel']; \
 open('/tmp/requirements.txt', 'w').write(''.join(d + '\n' for d in deps))"
 
 # A venv with the dependencies (wheels only: nothing is compiled, so no build tools),

@@ -23,7 +23,7 @@ from typing import Any
 import asyncpg
 
 from app.assembly import gauges, services
-from app.assembly.closing import background
+from app.assembly.closing import background, bounded_close
 from app.assembly.upstream import build_upstream, stage_calls
 from app.db.characters import Collections
 from app.db.pool import tagged_dsn
@@ -36,6 +36,7 @@ from app.limits.clock import Clock, MonotonicClock
 from app.limits.cpu_lane import CpuLane
 from app.limits.rate_budget import RateBudget
 from app.limits.stage_gate import StageGate
+from app.runtime import tracing
 from app.runtime.box import BoxLimits, box_limits
 from app.runtime.loop_lag import LoopLateness, probe_loop_lag
 from app.runtime.metrics import Metrics
@@ -106,6 +107,9 @@ async def lifespan_resources(
     clock = MonotonicClock()
     box = box_limits()
     async with AsyncExitStack() as stack:
+        stack.push_async_callback(
+            bounded_close, "trace export", tracing.start(metrics, user_ids=settings.trace_user_id)
+        )
         stores = await _stores(settings, stack)
         lateness = LoopLateness()  # the loop-lag probe's, for timeouts that fire late
         calls = stage_calls(settings, stages)

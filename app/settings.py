@@ -207,6 +207,10 @@ class Settings:
     # AUTH_MODE=gateway: X-User-ID is believed only with this secret in X-Gateway-Secret.
     auth_gateway_secret: str | None = field(default=None, repr=False)
 
+    # --- traces (the OTEL_* environment turns them on: app/runtime/tracing.py) ---
+    # Spans carry the caller's user id (`user.id`) only when the operator says so.
+    trace_user_id: bool = False
+
     # --- the built-in simulator (used when OPENAI_API_KEY is unset) ------------------
     # The SIM_* variables as given, one per field of app/sim/config.py's SimConfig; read
     # (and checked) by the lifespan only when it starts the simulator, so the service's

@@ -132,6 +132,7 @@ def one_run(args: argparse.Namespace, k6: str, logs: Path) -> dict[str, float]:
         wait_ready(sim, f"http://{HOST}:{sim_port}/sim/stats", START_TIMEOUT_S)
         # One after the other: each runs the migrations at start-up.
         settings = DEFAULTS if args.defaults else SETTINGS
+        settings = {**settings, **dict(pair.split("=", 1) for pair in args.this_env)}
         this_url = service(
             "this", args.this.resolve(), args.app, sim_port, args.database_url, logs, procs, settings
         )
@@ -198,6 +199,13 @@ def main() -> int:
     p.add_argument("--app", default="app.main:app", help="this checkout's ASGI app")
     p.add_argument(
         "--other-app", default="app.main:app", help="the other's (k6/lean_floor:app: the lean floor)"
+    )
+    p.add_argument(
+        "--this-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for this side only (OTEL_*: traces on one side)",
     )
     p.add_argument("--vus", type=int, default=200, help="users in all, half on each")
     p.add_argument("--duration", default="40s", help="k6's duration (40s, 2m)")

@@ -10,15 +10,17 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS
 from sse_starlette import EventSourceResponse
 from starlette.convertors import Convertor, register_url_convertor
 
 from app.db.pool import DB_ERRORS
-from app.errors import InvalidRequest, ScanNotFound, Unauthorized
+from app.errors import EcoscanError, InvalidRequest, ScanNotFound, Unauthorized
 from app.http.errors import JsonErrorRoute
 from app.http.openapi import operations as doc
 from app.intake.acceptance import RepeatedScan
 from app.resources import Resources
+from app.runtime import tracing
 from app.streaming.access import Reader
 from app.streaming.responses import scan_response
 
@@ -27,6 +29,10 @@ router = APIRouter(route_class=JsonErrorRoute)
 # Readiness probes time out at 1-2 s by default (Kubernetes: 1 s): answer within that.
 READY_TIMEOUT_S = 1.0
 SCAN_PATH = "/api/v1/scan/classify/completion"
+# The scan request's span attributes (HTTP conventions), and the header that names its trace.
+SCAN_SPAN_NAME = f"POST {SCAN_PATH}"
+SCAN_SPAN = {"http.request.method": "POST", "http.route": SCAN_PATH}
+TRACE_ID_HEADER = "X-Trace-Id"
 CATEGORIES = "categories"
 
 
@@ -64,6 +70,21 @@ def resources(request: Request) -> Resources:
     openapi_extra=doc.SCAN_OPENAPI_EXTRA,
 )
 async def classify_completion(request: Request) -> Response:
+    # The request's span (tracing on): the client's `traceparent` its parent, the scan its child.
+    parent = request.headers if "traceparent" in request.headers else None
+    with tracing.span(SCAN_SPAN_NAME, SCAN_SPAN, server=True, parent=parent) as span:
+        try:
+            response = await _classify(request)
+        except EcoscanError as exc:
+            span.set_attribute("http.response.status_code", exc.status)
+            raise
+        span.set_attribute("http.response.status_code", response.status_code)
+        if (trace_id := tracing.trace_id()) is not None:
+            response.headers[TRACE_ID_HEADER] = trace_id
+        return response
+
+
+async def _classify(request: Request) -> Response:
     r = resources(request)
     accepted = await r.acceptance.accept(request)
     if isinstance(accepted, RepeatedScan):
@@ -224,4 +245,7 @@ async def _database_check(r: Resources) -> str:
     response_description=doc.METRICS_DESCRIPTION,
 )
 async def metrics(request: Request) -> Response:
+    # OpenMetrics when the scraper asks for it (Prometheus does): the only format with exemplars.
+    if "application/openmetrics-text" in request.headers.get("accept", ""):
+        return Response(resources(request).metrics.render(openmetrics=True), media_type=OPENMETRICS)
     return Response(resources(request).metrics.render(), media_type="text/plain; version=0.0.4")

@@ -50,10 +50,11 @@ from app.limits.admission import Admission, Ticket
 from app.limits.cpu_lane import CpuLane
 from app.limits.loop_pacer import LoopBusy, LoopPacer
 from app.limits.user_quota import Reservation, UserQuota
+from app.runtime import tracing
 from app.runtime.metrics import Metrics
 from app.scans.pipeline import ScanPipeline
 from app.scans.run import ScanRun
-from app.scans.store import IdempotencyClaim, KeyTaken, ScanStore
+from app.scans.store import INSERT_SPAN, IdempotencyClaim, KeyTaken, ScanStore
 from app.stages.context import AcceptedScan, ScanInput
 from app.streaming.access import token_hash
 
@@ -223,7 +224,14 @@ class ScanAcceptance:
             raise
         timings = {"prepare_ms": round(prepare_s * 1000, 1)}
         scan = AcceptedScan(
-            scan_id, caller.user_id, scan_input, ticket, received_at, timings, retry_of=retry_of
+            scan_id,
+            caller.user_id,
+            scan_input,
+            ticket,
+            received_at,
+            timings,
+            retry_of=retry_of,
+            traceparent=tracing.traceparent(),
         )
         run = self._pipeline.start(scan, token_sha256=token_hash(token) if token else None)
         return NewScan(run, caller, token)
@@ -259,7 +267,8 @@ class ScanAcceptance:
         scan_input = _parsed_inline(body.data, content_type, self._limits)
         inline = scan_input is not None
         if scan_input is None:  # the lane observes its queue and run time
-            scan_input = await self._cpu.run(parse_scan_body, body.data, content_type, self._limits)
+            with tracing.span("cpu_lane parse_scan_body"):
+                scan_input = await self._cpu.run(parse_scan_body, body.data, content_type, self._limits)
         prepare_s = time.perf_counter() - started
         if inline:
             self._metrics.stage_service.labels("prepare").observe(prepare_s)  # it never queued
@@ -285,16 +294,17 @@ class ScanAcceptance:
     ) -> uuid.UUID:
         scan_id = uuid.uuid4()
         try:
-            await self._store.create(
-                scan_id,
-                user_id=user_id,
-                image_source=scan_input.source,
-                image_sha256=scan_input.image.sha256 if scan_input.image else None,
-                user_input=scan_input.user_input,
-                claim=claim,
-                token_sha256=token_hash(token) if token else None,
-                retry_of=retry_of,
-            )
+            with tracing.span("INSERT scans", INSERT_SPAN, client=True):
+                await self._store.create(
+                    scan_id,
+                    user_id=user_id,
+                    image_source=scan_input.source,
+                    image_sha256=scan_input.image.sha256 if scan_input.image else None,
+                    user_input=scan_input.user_input,
+                    claim=claim,
+                    token_sha256=token_hash(token) if token else None,
+                    retry_of=retry_of,
+                )
         except DatabaseError:
             raise DatabaseUnavailable() from None
         return scan_id

@@ -26,6 +26,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 # A scan costs fractions of a cent (gpt-4o-mini: ~$0.0006), a reasoning model's more.
 COST_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
@@ -56,6 +57,42 @@ LATENCY_BUCKETS = (
     120,
 )
 FAST_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# The GenAI conventions' advice for their histograms (gen_ai.client.*).
+GENAI_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
+GENAI_DURATION_BUCKETS = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+GENAI_FIRST_CHUNK_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+)
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -77,6 +114,7 @@ class Metrics:
         self._declare_cache_metrics()
         self._declare_loop_capacity_metrics()
         self._declare_cost_metrics()
+        self._declare_genai_and_trace_metrics()
 
     def _declare_process_collectors(self) -> None:
         """The library's process, platform and GC collectors."""
@@ -628,5 +666,44 @@ class Metrics:
         self.stage_queue.labels("prepare", "cpu").observe(queue_s)
         self.stage_service.labels("prepare").observe(run_s)
 
-    def render(self) -> bytes:
+    def render(self, *, openmetrics: bool = False) -> bytes:
+        """The text format; OpenMetrics (with the scan histogram's exemplars: trace ids) when
+        the scraper asks for it."""
+        if openmetrics:
+            rendered: bytes = openmetrics_latest(self.registry)  # type: ignore[no-untyped-call]
+            return rendered
         return generate_latest(self.registry)
+
+    def _declare_genai_and_trace_metrics(self) -> None:
+        """The OpenTelemetry GenAI client metrics, named as its conventions name them (dots as
+        underscores, the unit a suffix), recorded per upstream attempt (app/upstream/genai.py);
+        and what trace export could not send (app/runtime/tracing.py)."""
+        r = self.registry
+        where = ["gen_ai_operation_name", "gen_ai_provider_name", "deployment", "gen_ai_request_model"]
+        self.genai_token_usage = Histogram(
+            "gen_ai_client_token_usage",
+            "Tokens an upstream call used, by gen_ai_token_type: input, output (the reply's usage).",
+            [*where, "gen_ai_token_type"],
+            buckets=GENAI_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.genai_duration = Histogram(
+            "gen_ai_client_operation_duration_seconds",
+            "Each upstream attempt from its send to its end (error_type empty when it succeeded).",
+            [*where, "error_type"],
+            buckets=GENAI_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.genai_first_chunk = Histogram(
+            "gen_ai_client_operation_time_to_first_chunk_seconds",
+            "A streamed upstream attempt from its send to the first chunk of its reply.",
+            where,
+            buckets=GENAI_FIRST_CHUNK_BUCKETS,
+            registry=r,
+        )
+        self.trace_spans_dropped = Counter(
+            "ecoscan_trace_spans_dropped_total",
+            "Spans not exported: ended while OTEL_BSP_MAX_QUEUE_SIZE were waiting, or in a batch the"
+            " trace endpoint did not take.",
+            registry=r,
+        )

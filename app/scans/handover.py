@@ -51,6 +51,7 @@ class Handover:
     timings: dict[str, float]
     received_at: float  # wall clock
     deadline_at: float  # wall clock
+    traceparent: str | None = None  # its trace (W3C), when traced: the adopter continues it
 
     @classmethod
     def of(cls, scan: AcceptedScan, *, token_sha256: str | None, deadline_s: float) -> Handover:
@@ -70,6 +71,7 @@ class Handover:
             timings=dict(scan.timings),
             received_at=received_at,
             deadline_at=now + deadline_s,
+            traceparent=scan.traceparent,
         )
 
     def encode(self) -> bytes:
@@ -95,7 +97,14 @@ class Handover:
         received_at = time.perf_counter() - max(0.0, time.time() - self.received_at)
         retry_of = uuid.UUID(self.retry_of) if self.retry_of else None
         return AcceptedScan(
-            scan_id, self.user_id, scan_input, ticket, received_at, dict(self.timings), retry_of=retry_of
+            scan_id,
+            self.user_id,
+            scan_input,
+            ticket,
+            received_at,
+            dict(self.timings),
+            retry_of=retry_of,
+            traceparent=self.traceparent,
         )
 
 

@@ -32,6 +32,7 @@ from app.errors import (
     ServerShutdown,
 )
 from app.limits.clock import Clock
+from app.runtime import tracing
 from app.runtime.metrics import Metrics
 from app.scans.events import (
     ITEM_EVENTS,
@@ -117,7 +118,8 @@ class ScanPipeline:
         if self._streams is not None:
             self._streams.mirror(scan.id, run.log, written=len(entries))
         recovered = recover(run.log, self._runner.stages)
-        return self._launch(run, self._run(run, recovered=recovered, deadline_s=deadline_s, lost=lost))
+        work = self._run(run, recovered=recovered, deadline_s=deadline_s, lost=lost)
+        return self._launch(run, work, adopted=True)
 
     def _new_run(self, scan: AcceptedScan, token_sha256: str | None) -> ScanRun:
         followed = functools.partial(self._streams.followed_elsewhere, scan.id) if self._streams else None
@@ -125,8 +127,10 @@ class ScanPipeline:
             scan, grace_s=self._disconnect_grace_s, token_sha256=token_sha256, followed_elsewhere=followed
         )
 
-    def _launch(self, run: ScanRun, work: Coroutine[Any, Any, None]) -> ScanRun:
+    def _launch(self, run: ScanRun, work: Coroutine[Any, Any, None], *, adopted: bool = False) -> ScanRun:
         scan = run.scan
+        if tracing.recording() or (adopted and tracing.enabled()):  # a sampled trace, or its takeover
+            work = _traced(scan, work, adopted=adopted)
         run.task = task = asyncio.create_task(work, name=f"scan-{scan.id}")
         self.running[task] = run
         self.runs[scan.id] = run
@@ -178,6 +182,8 @@ class ScanPipeline:
             progress = ScanProgress(self._runner.stages[0].name, dict(scan.timings), {})
         else:
             progress = ScanProgress(recovered.step, {**scan.timings, **recovered.timings}, recovered.result)
+        if (trace_id := tracing.trace_id()) is not None:  # `done` says which trace to look up
+            progress.result["trace_id"] = trace_id
         deadline = self._clock.now() + (self._scan_deadline_s if deadline_s is None else deadline_s)
         started = time.perf_counter()
         self._metrics.scans_in_flight.inc()
@@ -205,7 +211,10 @@ class ScanPipeline:
             scan.ticket.release()
             elapsed = time.perf_counter() - started
             self._metrics.scans_in_flight.dec()
-            self._metrics.scan_duration.labels(outcome).observe(elapsed)
+            # An exemplar: a slow scan's bucket links to its trace (OpenMetrics /metrics).
+            sampled = tracing.sampled_trace_id()
+            exemplar = {"trace_id": sampled} if sampled is not None else None
+            self._metrics.scan_duration.labels(outcome).observe(elapsed, exemplar)
             if spend.total_usd is not None:
                 self._metrics.scan_cost.observe(spend.total_usd)
             if self._on_finished is not None and outcome == "completed":
@@ -309,6 +318,7 @@ class ScanPipeline:
         """The terminal row, then the terminal event. Cancelled while the row is being
         written (shutdown), the write goes on and the event still goes out."""
         scan, events = run.scan, run.log
+        tracing.failed(error.code, error=status == "failed")
         progress.timings["total_ms"] = _ms(time.perf_counter() - scan.received_at)
         wait_s = getattr(error, "retry_after_s", None)
         retry_after = math.ceil(wait_s) if wait_s is not None else None
@@ -345,6 +355,17 @@ class ScanPipeline:
             self._store.defer(scan.id, row)
         except ProcessLost:
             log.error("scan %s: its row is missing", scan.id)
+
+
+async def _traced(scan: AcceptedScan, work: Coroutine[Any, Any, None], *, adopted: bool) -> None:
+    """The scan's span around its run: the request's child; taken over, the child of the
+    request span its first owner kept in the handover, so the scan stays one trace."""
+    attributes: dict[str, str | bool] = {"ecoscan.scan.id": str(scan.id), "ecoscan.scan.taken_over": adopted}
+    if scan.user_id is not None and tracing.user_ids():
+        attributes["user.id"] = scan.user_id
+    # Taken over, the stored parent; else the current span (the request's) is the parent.
+    with tracing.span("scan", attributes, parent=scan.traceparent if adopted else None):
+        await work
 
 
 def _cost() -> float | None:

@@ -16,6 +16,7 @@ from typing import Any
 from app.errors import ScanDeadlineExceeded, StageTimeout
 from app.limits.clock import Clock
 from app.limits.timeouts import RecentPeak
+from app.runtime import tracing
 from app.runtime.metrics import Metrics
 from app.scans.events import EventLog, StageCompleted, StageStarted
 from app.stages.base import Stage, StageDeclaration, StageResult
@@ -118,8 +119,9 @@ class StageRunner:
         began = time.perf_counter()
         outcome = "failed"
         try:
-            async with self._clock.timeout_at(deadline):
-                result = await stage.run(ctx)
+            with tracing.span(f"stage {stage.name}", {"ecoscan.stage": stage.name}):
+                async with self._clock.timeout_at(deadline):
+                    result = await stage.run(ctx)
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise

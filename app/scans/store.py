@@ -35,6 +35,7 @@ from app.db.batch import GroupCommit
 from app.db.pool import DB_ERRORS, INSTANCE_TAG_PREFIX, database_error, row_error
 from app.db.restarts import read, write
 from app.errors import DatabaseError, DatabaseUnavailable, ProcessLost, retryable_scan_codes
+from app.runtime import tracing
 
 if TYPE_CHECKING:
     from app.db.pool import DbConn
@@ -141,6 +142,9 @@ _CLAIM = f"""
 _RUNS_ANY = "SELECT EXISTS (SELECT 1 FROM scans WHERE status = 'running' AND instance_id = $1)"
 
 RETRYABLE_CODES = retryable_scan_codes()
+# A write's span (app/runtime/tracing.py), named and described as the database conventions say.
+INSERT_SPAN = {"db.system.name": "postgresql", "db.operation.name": "INSERT", "db.collection.name": "scans"}
+UPDATE_SPAN = {**INSERT_SPAN, "db.operation.name": "UPDATE"}
 
 # Deferred terminal writes: first retry soon, then back off to a steady pace.
 DEFER_FIRST_RETRY_S = 0.5
@@ -345,8 +349,9 @@ class ScanStore:
     async def finish(self, scan_id: uuid.UUID, row: TerminalRow) -> None:
         """Write the terminal row once; `DatabaseError` if the database did not take it."""
         self._deferred.pop(scan_id, None)  # this write supersedes any older one
-        if not await self._finishes.submit((scan_id, row)):
-            raise ProcessLost(f"scan {scan_id} has no row")
+        with tracing.span("UPDATE scans", UPDATE_SPAN, client=True):
+            if not await self._finishes.submit((scan_id, row)):
+                raise ProcessLost(f"scan {scan_id} has no row")
 
     def defer(self, scan_id: uuid.UUID, row: TerminalRow) -> None:
         """Keep writing `row` in the background until the database takes it."""

@@ -44,6 +44,7 @@ class AcceptedScan:
     received_at: float  # perf_counter at request arrival
     timings: dict[str, float] = field(default_factory=dict)
     retry_of: uuid.UUID | None = None  # the attempt this one retries (same Idempotency-Key)
+    traceparent: str | None = None  # the request's span (W3C), when traced: the scan's parent
 
 
 @dataclass

@@ -72,6 +72,8 @@ class ChatResult:
     service_s: float = 0.0  # talking to the upstream, all attempts
     upstream: str | None = None  # the deployment that served it
     late_timeouts: int = 0  # timeouts forgiven because our loop was late (at most one)
+    response_model: str | None = None  # the model the reply names (with its usage)
+    first_chunk_at: float | None = None  # perf_counter at a streamed attempt's first chunk
 
 
 # A reply's usage: prompt, completion (reasoning included), reasoning, cached tokens.

@@ -43,7 +43,9 @@ from app.limits.rate_budget import BudgetDeadlineExceeded, RateBudget, Reservati
 from app.limits.retry import RetryPolicy
 from app.limits.stage_gate import StageGate
 from app.limits.timeouts import Deadline, ElasticDeadline, deadline_of
+from app.runtime import tracing
 from app.runtime.metrics import Metrics
+from app.upstream import genai
 from app.upstream.breaker import CLOSED, CREDENTIAL_REASON, CREDENTIAL_RETRY_S, OUT_RETRY_S, QUOTA_COOLDOWN_S
 from app.upstream.call import AttemptFailed, ChatCall, ChatRequest, ChatResult, OnRestart, OnText, Usage
 from app.upstream.credentials import CredentialUnavailable
@@ -216,6 +218,7 @@ class Upstream:
         while True:
             route = chosen or await self._pick(request, failed_on, until)
             call = route.shaped(request)
+            tracing.event("route", {"ecoscan.deployment": route.name, "ecoscan.attempt": result.attempts + 1})
             trial = await self._negotiated(route, call, read_stream is not None, until())
             try:
                 result.attempts += 1
@@ -247,6 +250,7 @@ class Upstream:
                 rides, chosen = rides + 1, None
             if shown and on_restart is not None:  # it starts again: what was shown is void
                 self._metrics.upstream_restarts.labels(request.stage).inc()
+                tracing.event("stream_restart", {"ecoscan.deployment": route.name})
                 await on_restart()
 
     async def _hedged(
@@ -262,7 +266,9 @@ class Upstream:
         (app/upstream/hedging.py); returns the route that served it."""
         policy = self._hedging
         # Counted on its route at once, before its task runs: the next call's pick sees it.
-        first = self._attempt(route, call, deadline, read_stream, result, route.limit.enter())
+        first = genai.traced(
+            self._attempt(route, call, deadline, read_stream, result, route.limit.enter()), route, call
+        )
         if policy is None or len(self.router.by_stage.get(route.stage, ())) < 2:
             await first
             return route
@@ -280,9 +286,10 @@ class Upstream:
                 return None
             hedged_on.append(spare)
             result.attempts += 1
-            return self._attempt(
-                spare, spare.shaped(request), deadline, read_stream, hedge_result, spare.limit.enter()
-            )
+            tracing.event("hedge", {"ecoscan.deployment": spare.name})
+            shaped = spare.shaped(request)
+            attempt = self._attempt(spare, shaped, deadline, read_stream, hedge_result, spare.limit.enter())
+            return genai.traced(attempt, spare, shaped)
 
         after_s = policy.after(route.first_byte)
         started = self._clock.now()
@@ -319,6 +326,7 @@ class Upstream:
         trial, waited = await negotiation.turn(names, wait_s)
         if waited != NO_WAIT:
             self._metrics.upstream_negotiation_waits.labels(route.name, waited).inc()
+            tracing.event("negotiation_wait", {"ecoscan.deployment": route.name, "ecoscan.outcome": waited})
         return trial
 
     async def _pick(
@@ -396,6 +404,10 @@ class Upstream:
         self._metrics.upstream_retries.labels(route.model, failed.reason).inc()
         if following.name not in failed_on:  # another deployment can take it: go at once
             self._metrics.upstream_failovers.labels(request.stage, failed.reason).inc()
+            tracing.event(
+                "failover",
+                {"ecoscan.from": route.name, "ecoscan.to": following.name, "error.type": failed.reason},
+            )
             log.info(
                 "%s call: %s failed (%s); on to %s", request.stage, route.name, failed.reason, following.name
             )
@@ -404,6 +416,7 @@ class Upstream:
         if delay >= left:
             self._give_up(request, failed, failures)
         log.info("%s call: retry %d in %.2fs (%s)", request.stage, failures, delay, failed.reason)
+        tracing.event("retry", {"ecoscan.delay_s": round(delay, 3), "error.type": failed.reason})
         await self._clock.sleep(delay)
         return following
 
@@ -451,6 +464,7 @@ class Upstream:
                 m.budget_wait.labels(call.model).observe(budget_wait)
                 m.stage_queue.labels(call.stage, "budget").observe(budget_wait)
                 result.queue_s += gate_wait + budget_wait
+                genai.waited(gate_wait, budget_wait)
                 m.upstream_tokens.labels(call.model, "estimated").inc(reservation.tokens)
                 mean = self._tokens_per_call.get(call.stage, float(reservation.tokens))
                 self._tokens_per_call[call.stage] = mean + 0.05 * (reservation.tokens - mean)
@@ -459,11 +473,16 @@ class Upstream:
                 started, sent_at = time.perf_counter(), self._clock.now()
                 self.reservations_open += 1
                 overloaded: bool | None = None  # None: the call said nothing (cancelled)
+                error_type = "_OTHER"  # the GenAI metrics' word for how it ended ("": well)
                 try:
                     await self._call(route, call, reservation, read_stream, result, sent_at)
                     breaker.succeeded(self._clock.now(), sent_at)
-                    overloaded = False
+                    overloaded, error_type = False, ""
+                except asyncio.CancelledError:
+                    error_type = "cancelled"
+                    raise
                 except AttemptFailed as failed:
+                    error_type = failed.reason
                     # Our lateness says nothing of the deployment: no verdict, no latency sample.
                     overloaded = None if failed.reason == LOOP_LATE else failed.reason in OVERLOAD_REASONS
                     if breaker.verdicts == verdicts and overloaded is not None:  # not told the breaker yet
@@ -483,6 +502,7 @@ class Upstream:
                         route.limit.observe(elapsed, overloaded=overloaded)
                     result.service_s += elapsed
                     m.upstream_duration.labels(call.model, ENDPOINT).observe(elapsed)
+                    genai.ended(m, route, elapsed, error_type, result, started)
         finally:
             route.limit.leave(entered)
 
@@ -524,6 +544,7 @@ class Upstream:
         # What this attempt reads; a failed attempt's text, refusal or finish reason must
         # not pass for the retry's.
         result.text, result.refusal, result.finish_reason = "", "", None
+        result.first_chunk_at = None
         sent_version = route.negotiation.version
         built = request_body(call, stream=read_stream is not None)
         body = route.adapt(built)
@@ -621,6 +642,7 @@ class Upstream:
         by_deployment.labels(route.name, call.stage, "prompt").inc(usage[0])
         by_deployment.labels(route.name, call.stage, "cached").inc(usage[3])
         self._pricing.charge(route.name, call.model, usage)
+        genai.used(self._metrics, route, usage, result)
 
     def _transport_failure(
         self,
@@ -706,6 +728,7 @@ class Upstream:
             # Learned now, or by another call since this body was built: again without it.
             reservation.settle(None)  # refused before any work: not counted
             self._metrics.upstream_negotiated.labels(route.name, parameter.rsplit(".", 1)[-1]).inc()
+            tracing.event("negotiated", {"ecoscan.parameter": parameter})
             return AttemptFailed(UpstreamRejected(), retry=True, reason="negotiated")
         log.error("upstream %s rejected %s call with %d: %s", route.name, call.stage, status, message)
         return AttemptFailed(UpstreamRejected(), retry=False, reason=status_class)

@@ -12,6 +12,7 @@ attempt is billed.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -77,6 +78,8 @@ def _read_reply(completion: dict[str, Any], result: ChatResult) -> Usage | None:
         result.text, result.refusal = _string(text), _string(refusal)
         result.finish_reason = _finish_reason(choice)
     usage = completion.get("usage")
+    if isinstance(model := completion.get("model"), str):
+        result.response_model = model
     return _usage_of(usage) if isinstance(usage, dict) else None
 
 
@@ -92,6 +95,8 @@ async def read_chunks(
     text = ""  # this attempt's: a retry starts again from nothing
     buffer = b""
     async for data in stream:
+        if result.first_chunk_at is None:  # the GenAI metrics' time to first chunk
+            result.first_chunk_at = time.perf_counter()
         *lines, buffer = (buffer + data).split(b"\n")
         payloads = [line[5:].strip() for line in lines if line.startswith(b"data:")]
         done = b"[DONE]" in payloads
@@ -131,6 +136,8 @@ def _read_batch(payloads: list[bytes], result: ChatResult, usage: Usage | None) 
                 raise AttemptFailed(UpstreamError(), retry=True, reason="stream_error")
             if chunk.get("usage"):
                 usage = _usage_of(chunk["usage"])
+                if isinstance(model := chunk.get("model"), str):  # the usage chunk's: once a reply
+                    result.response_model = model
             for choice in chunk.get("choices") or ():
                 if choice.get("index", 0) != 0:
                     continue

@@ -164,6 +164,10 @@ def _done_model(stages: Sequence[StageClass]) -> type[BaseModel]:
         step=(_one_of(["done"]), ...),
         **done_fields,
         timings=(timings, ...),
+        trace_id=(
+            str | None,
+            Field(None, description="The scan's trace (32 hex digits), when traces are on (`OTEL_*`)."),
+        ),
     )
 
 

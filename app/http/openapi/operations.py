@@ -58,6 +58,14 @@ _NEW_SCAN_HEADERS = {
         "required": False,
         "schema": {"type": "string", "format": "uuid"},
     },
+    "X-Trace-Id": {
+        "description": (
+            "When traces are on (`OTEL_*`): the scan's trace id, 32 hex digits (also `done`'s "
+            "`trace_id`); the client's `traceparent`, if sent, is its parent."
+        ),
+        "required": False,
+        "schema": {"type": "string", "pattern": "^[0-9a-f]{32}$"},
+    },
 }
 
 
