@@ -499,8 +499,8 @@ async def test_phoenix_takes_the_replicas_traces_and_prometheus_keeps_exemplars(
     """After the scans above. The trace backend's image takes OTLP/HTTP protobuf, from this
     process on its published port and from a replica at the endpoint the replica's
     settings name, and its API lists both spans. Prometheus runs with exemplar storage;
-    when the replicas attach exemplars to the scan-duration histogram (a service that
-    traces), Prometheus has them and Phoenix has their traces: Grafana's link."""
+    the replicas attach exemplars to the scan-duration histogram, Prometheus has them
+    and Phoenix has their traces: Grafana's link."""
     span, trace_id = trace_backend.make_span("compose-test.export")
     await asyncio.to_thread(trace_backend.export, stack.phoenix_url, span)
     (found,) = await asyncio.to_thread(trace_backend.find_spans, stack.phoenix_url, trace_id)
@@ -523,16 +523,18 @@ async def test_phoenix_takes_the_replicas_traces_and_prometheus_keeps_exemplars(
         flags = (await prometheus.get("/api/v1/status/flags")).json()["data"]
     assert "exemplar-storage" in flags["enable-feature"].split(","), flags
 
-    exposition = _checked(["docker", "exec", replica, "python", "-c", OPENMETRICS_FROM_REPLICA])
-    attached = set(EXEMPLAR.findall(exposition))
-    linked = "the replicas attach no exemplar (a service without tracing)"
-    if attached:
-        kept = await _eventually(
-            lambda: _exemplar_trace_ids(stack), lambda ids: attached & ids, "exemplars in Prometheus", 60
-        )
-        linked_trace = sorted(attached & kept)[0]
-        spans = await asyncio.to_thread(trace_backend.find_spans, stack.phoenix_url, linked_trace)
-        linked = f"exemplar trace {linked_trace}: {len(spans)} spans in Phoenix"
+    # The replicas trace every scan (deploy/ecoscan.env), so the scans above left exemplars.
+    attached: set[str] = set()
+    for container in stack.containers("ecoscan"):
+        exposition = _checked(["docker", "exec", container, "python", "-c", OPENMETRICS_FROM_REPLICA])
+        attached |= set(EXEMPLAR.findall(exposition))
+    assert attached, "no replica attached an exemplar to the scan-duration histogram"
+    kept = await _eventually(
+        lambda: _exemplar_trace_ids(stack), lambda ids: attached & ids, "exemplars in Prometheus", 60
+    )
+    linked_trace = sorted(attached & kept)[0]
+    spans = await asyncio.to_thread(trace_backend.find_spans, stack.phoenix_url, linked_trace)
+    linked = f"exemplar trace {linked_trace}: {len(spans)} spans in Phoenix"
     with capsys.disabled():
         print(f"\n[compose] Phoenix: spans {trace_id} (this process), {sent_trace} (a replica); {linked}")
 
