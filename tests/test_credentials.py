@@ -138,9 +138,42 @@ async def test_a_refused_token_is_not_sent_again() -> None:
     wall = Wall()
     service = Service(wall)
     credential = token(service, wall)
-    await sent(credential)
-    credential.refused()  # the provider answered 401 to it
+    refused = await credential.headers("http://x/chat/completions", b"{}")
+    credential.refused(refused)  # the provider answered 401 to it
     assert await sent(credential) == "Bearer t2"
+
+
+class CachingService(Service):
+    """A token service behind a library that caches (azure-identity does): the token it
+    holds until the test rotates it, however often it is asked."""
+
+    def __init__(self, wall: Wall) -> None:
+        super().__init__(wall)
+        self.held: Token | None = None
+
+    async def fetch(self) -> Token:
+        if self.held is None:
+            self.held = await super().fetch()
+        return self.held
+
+    def rotate(self) -> None:
+        self.held = None
+
+
+async def test_a_late_401_to_a_token_already_replaced_keeps_its_successor() -> None:
+    """Two requests carried t1 and both are refused; the first 401 brings t2. The second
+    401 speaks of t1 only: forgetting t2 for it asks the library again, which hands back
+    t2 (cached), taken as no new token: the deployment would go out with a valid token."""
+    wall = Wall()
+    service = CachingService(wall)
+    credential = token(service, wall)
+    first = await credential.headers("http://x/chat/completions", b"{}")
+    service.rotate()  # t1 revoked: the service now hands out t2
+    credential.refused(first)  # request A's 401
+    assert await sent(credential) == "Bearer t2"
+    credential.refused(first)  # request B's 401, also to t1, arrives later
+    assert await sent(credential) == "Bearer t2"
+    assert service.fetches == 2
 
 
 def parsed(entry: dict[str, Any]) -> None:
