@@ -212,3 +212,14 @@ def test_a_vertex_model_name_is_its_models_profile_and_price() -> None:
     assert profile_for("google/gemini-2.5-flash") == profile_for("gemini-2.5-flash") != DEFAULT_PROFILE
     assert price_of("google/gemini-2.5-flash", DEFAULT_PRICES) == DEFAULT_PRICES["gemini-2.5-flash"]
     assert price_of("google/unknown-model", DEFAULT_PRICES) is None
+
+
+async def test_a_token_and_its_credential_keep_the_secret_out_of_their_repr() -> None:
+    """A Token or a RefreshingToken in a log line, an error or a traceback's locals must
+    not print the bearer secret."""
+    wall = Wall()
+    service = Service(wall)
+    credential = token(service, wall)
+    await sent(credential)
+    assert "t1" not in repr(Token("t1", wall.now + 60.0))
+    assert "t1" not in repr(credential) and "t1" not in repr(vars(credential).get("_token"))

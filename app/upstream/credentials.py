@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class CredentialUnavailable(Exception):
 class Token:
     """An access token as its service states it; times on the wall clock (epoch seconds)."""
 
-    value: str
+    value: str = field(repr=False)  # a bearer secret: never in a log line or a traceback
     expires_at: float
     refresh_at: float | None = None  # when the service advises a refresh, if it does
 
