@@ -278,7 +278,7 @@ async def _deployments(
                 "upstream %s: %s at %s (%s; limit group %s)",
                 d.name,
                 d.provider,
-                d.base_url,
+                redact_url(d.base_url),
                 served,
                 d.limit_group,
             )
