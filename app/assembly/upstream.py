@@ -272,6 +272,12 @@ async def _deployments(
             check_deployments(keyed, tuple(calls))
         except DeploymentError as exc:
             raise SettingsError(f"UPSTREAMS: {exc}") from None
+        for d in keyed:  # a typo in `models` would otherwise serve less than written, silently
+            for stage in (s for s, _ in d.models if s not in calls):
+                raise SettingsError(
+                    f"UPSTREAMS: deployment {d.name!r}: models: {stage!r} is not a calling stage "
+                    f"(the calling stages: {', '.join(calls)})"
+                )
         for d in keyed:
             served = ", ".join(f"{s} by {m}" for s, m in d.models)
             log.info(
