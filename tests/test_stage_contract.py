@@ -340,3 +340,14 @@ async def test_a_deployment_naming_a_stage_nobody_runs_stops_the_start(
     with pytest.raises(SettingsError, match="deployment 'sim': models: 'moderaton' is not a calling stage"):
         async with lifespan_resources(settings, Metrics(process=False)):
             pass
+
+
+async def test_stage_calls_naming_a_stage_nobody_runs_stops_the_start(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """A STAGE_CALLS entry for a stage that is not in the stage order (a typo) was ignored:
+    the stage it meant ran with its declared defaults, and nothing said so."""
+    settings = settings_for(database_url, sim, stage_calls='{"moderaton": {"model": "gpt-4o-mini"}}')
+    with pytest.raises(SettingsError, match="STAGE_CALLS moderaton: no calling stage of that name"):
+        async with lifespan_resources(settings, Metrics(process=False)):
+            pass

@@ -54,11 +54,17 @@ UPSTREAM_KEEPALIVE_S = 5.0  # an idle connection is closed after this long
 
 def stage_calls(settings: Settings, stages: Sequence[StageClass]) -> dict[str, StageCall]:
     """Every calling stage's call as set, in stage order."""
-    return {
+    calls = {
         stage.name: settings.stage_call(stage.call)
         for stage in stages
         if isinstance(stage, CallingStageClass)
     }
+    for name in settings.stage_calls_named():  # a typo would leave its stage at its defaults
+        if name not in calls:
+            raise SettingsError(
+                f"STAGE_CALLS {name}: no calling stage of that name (the calling stages: {', '.join(calls)})"
+            )
+    return calls
 
 
 async def build_upstream(
