@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -223,3 +224,20 @@ async def test_a_token_and_its_credential_keep_the_secret_out_of_their_repr() ->
     await sent(credential)
     assert "t1" not in repr(Token("t1", wall.now + 60.0))
     assert "t1" not in repr(credential) and "t1" not in repr(vars(credential).get("_token"))
+
+
+@pytest.mark.parametrize(
+    ("provider", "auth", "package", "extra"),
+    [("azure", "entra_id", "azure", "azure"), ("gemini", "vertex_ai", "google", "google")],
+)
+def test_a_token_auth_without_its_library_is_refused_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, provider: str, auth: str, package: str, extra: str
+) -> None:
+    """The Docker image has neither extra: without the library's top-level package at all,
+    looking for it raised ModuleNotFoundError (a traceback at start) instead of saying
+    which extra to install. None in sys.modules is Python's own "not importable"."""
+    for name in [m for m in sys.modules if m == package or m.startswith(f"{package}.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)
+    with pytest.raises(DeploymentError, match=rf"needs .*pip install 'ecoscan\[{extra}\]'"):
+        parsed({"provider": provider, "auth": auth})
