@@ -420,6 +420,10 @@ class Settings:
         except ValueError as exc:
             raise SettingsError(f"STAGE_CALLS {declared.stage}: {exc}") from None
 
+    def stage_calls_named(self) -> list[str]:
+        """The stages `STAGE_CALLS` has an entry for (the lifespan checks each is one)."""
+        return list(self._stage_call_overrides())
+
     def _stage_call_overrides(self) -> dict[str, dict[str, Any]]:
         """STAGE_CALLS parsed; each entry checked against a call's defaults."""
         if not self.stage_calls:

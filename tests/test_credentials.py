@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from typing import Any
 
 import pytest
@@ -138,9 +139,42 @@ async def test_a_refused_token_is_not_sent_again() -> None:
     wall = Wall()
     service = Service(wall)
     credential = token(service, wall)
-    await sent(credential)
-    credential.refused()  # the provider answered 401 to it
+    refused = await credential.headers("http://x/chat/completions", b"{}")
+    credential.refused(refused)  # the provider answered 401 to it
     assert await sent(credential) == "Bearer t2"
+
+
+class CachingService(Service):
+    """A token service behind a library that caches (azure-identity does): the token it
+    holds until the test rotates it, however often it is asked."""
+
+    def __init__(self, wall: Wall) -> None:
+        super().__init__(wall)
+        self.held: Token | None = None
+
+    async def fetch(self) -> Token:
+        if self.held is None:
+            self.held = await super().fetch()
+        return self.held
+
+    def rotate(self) -> None:
+        self.held = None
+
+
+async def test_a_late_401_to_a_token_already_replaced_keeps_its_successor() -> None:
+    """Two requests carried t1 and both are refused; the first 401 brings t2. The second
+    401 speaks of t1 only: forgetting t2 for it asks the library again, which hands back
+    t2 (cached), taken as no new token: the deployment would go out with a valid token."""
+    wall = Wall()
+    service = CachingService(wall)
+    credential = token(service, wall)
+    first = await credential.headers("http://x/chat/completions", b"{}")
+    service.rotate()  # t1 revoked: the service now hands out t2
+    credential.refused(first)  # request A's 401
+    assert await sent(credential) == "Bearer t2"
+    credential.refused(first)  # request B's 401, also to t1, arrives later
+    assert await sent(credential) == "Bearer t2"
+    assert service.fetches == 2
 
 
 def parsed(entry: dict[str, Any]) -> None:
@@ -179,3 +213,31 @@ def test_a_vertex_model_name_is_its_models_profile_and_price() -> None:
     assert profile_for("google/gemini-2.5-flash") == profile_for("gemini-2.5-flash") != DEFAULT_PROFILE
     assert price_of("google/gemini-2.5-flash", DEFAULT_PRICES) == DEFAULT_PRICES["gemini-2.5-flash"]
     assert price_of("google/unknown-model", DEFAULT_PRICES) is None
+
+
+async def test_a_token_and_its_credential_keep_the_secret_out_of_their_repr() -> None:
+    """A Token or a RefreshingToken in a log line, an error or a traceback's locals must
+    not print the bearer secret."""
+    wall = Wall()
+    service = Service(wall)
+    credential = token(service, wall)
+    await sent(credential)
+    assert "t1" not in repr(Token("t1", wall.now + 60.0))
+    assert "t1" not in repr(credential) and "t1" not in repr(vars(credential).get("_token"))
+
+
+@pytest.mark.parametrize(
+    ("provider", "auth", "package", "extra"),
+    [("azure", "entra_id", "azure", "azure"), ("gemini", "vertex_ai", "google", "google")],
+)
+def test_a_token_auth_without_its_library_is_refused_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, provider: str, auth: str, package: str, extra: str
+) -> None:
+    """The Docker image has neither extra: without the library's top-level package at all,
+    looking for it raised ModuleNotFoundError (a traceback at start) instead of saying
+    which extra to install. None in sys.modules is Python's own "not importable"."""
+    for name in [m for m in sys.modules if m == package or m.startswith(f"{package}.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)
+    with pytest.raises(DeploymentError, match=rf"needs .*pip install 'ecoscan\[{extra}\]'"):
+        parsed({"provider": provider, "auth": auth})

@@ -127,3 +127,28 @@ def test_the_access_log_line_masks_scan_tokens_and_keeps_the_rest() -> None:
     assert (
         record.getMessage() == '127.0.0.1:5000 - "GET /api/v1/scan/x/events?after=0&token=*** HTTP/1.1" 404'
     )
+
+
+async def test_the_start_up_log_names_each_deployment_without_the_password_its_url_carries(
+    database_url: str, sim: RunningSimulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gateway's base_url may carry its credentials (`https://user:key@gateway/v1`): the
+    line naming each listed deployment at start shows the URL redacted."""
+    with_password = sim.base_url.replace("://", "://gateway:p%40ss%3Aw0rd@", 1)
+    entry = {
+        "name": "gateway",
+        "provider": "compatible",
+        "base_url": with_password,
+        "vision_model": "gpt-4o-mini",
+        "answer_model": "gpt-4o-mini",
+        "rpm": 10_000,
+        "tpm": 10_000_000,
+    }
+    settings = settings_for(database_url, sim, log_level="INFO", upstreams=json.dumps([entry]))
+    with caplog.at_level(logging.INFO, logger="app"):
+        async with running_service(settings):
+            pass
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("upstream gateway:")]
+    assert lines, "no line names the deployment"
+    for line in lines:
+        assert "p%40ss" not in line and "w0rd" not in line and "***@" in line, line

@@ -174,3 +174,23 @@ def test_stage_calls_set_a_new_calling_stages_call_and_refuse_mistakes() -> None
     ]:
         with pytest.raises(SettingsError, match=message):
             Settings(stage_calls=raw)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        # A cache that is not an object was a TypeError out of the error message itself.
+        ('{"moderation": {"cache": 5}}', "STAGE_CALLS moderation: cache: "),
+        ('{"moderation": {"cache": "big"}}', "STAGE_CALLS moderation: cache: "),
+        ('{"moderation": {"cache": [1, 2]}}', "STAGE_CALLS moderation: cache: "),
+        # Python's JSON takes NaN and Infinity: an unbounded stage or a cache that never expires.
+        ('{"moderation": {"timeout_s": Infinity}}', "STAGE_CALLS moderation: timeout_s: "),
+        ('{"moderation": {"timeout_s": NaN}}', "STAGE_CALLS moderation: timeout_s: "),
+        ('{"moderation": {"cache": {"entries": 9, "max_bytes": 9, "ttl_s": NaN}}}', "cache: "),
+    ],
+)
+def test_stage_calls_refuse_a_cache_that_is_no_object_and_numbers_that_are_not_finite(
+    raw: str, message: str
+) -> None:
+    with pytest.raises(SettingsError, match=message):
+        Settings(stage_calls=raw)

@@ -321,3 +321,33 @@ async def test_deployments_name_a_calling_stages_model_in_models(
     async with lifespan_resources(served, Metrics(process=False), stages=MODERATED) as resources:
         assert list(resources.gates) == ["vision", "moderation", "answer"]
         assert set(resources.budgets) == {"sim/gpt-4o-mini", "sim/gpt-4.1-nano"}
+
+
+async def test_a_deployment_naming_a_stage_nobody_runs_stops_the_start(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """A stage name in `models` that no calling stage has (a typo, a stage taken out) was
+    ignored: the deployment then silently served less than its operator wrote."""
+    deployment = {
+        "name": "sim",
+        "provider": "compatible",
+        "base_url": sim.base_url,
+        "rpm": 500,
+        "tpm": 500_000,
+        "models": {"vision": "gpt-4o-mini", "answer": "gpt-4o-mini", "moderaton": "gpt-4.1-nano"},
+    }
+    settings = settings_for(database_url, sim, upstreams=json.dumps([deployment]))
+    with pytest.raises(SettingsError, match="deployment 'sim': models: 'moderaton' is not a calling stage"):
+        async with lifespan_resources(settings, Metrics(process=False)):
+            pass
+
+
+async def test_stage_calls_naming_a_stage_nobody_runs_stops_the_start(
+    database_url: str, sim: RunningSimulator
+) -> None:
+    """A STAGE_CALLS entry for a stage that is not in the stage order (a typo) was ignored:
+    the stage it meant ran with its declared defaults, and nothing said so."""
+    settings = settings_for(database_url, sim, stage_calls='{"moderaton": {"model": "gpt-4o-mini"}}')
+    with pytest.raises(SettingsError, match="STAGE_CALLS moderaton: no calling stage of that name"):
+        async with lifespan_resources(settings, Metrics(process=False)):
+            pass

@@ -54,11 +54,17 @@ UPSTREAM_KEEPALIVE_S = 5.0  # an idle connection is closed after this long
 
 def stage_calls(settings: Settings, stages: Sequence[StageClass]) -> dict[str, StageCall]:
     """Every calling stage's call as set, in stage order."""
-    return {
+    calls = {
         stage.name: settings.stage_call(stage.call)
         for stage in stages
         if isinstance(stage, CallingStageClass)
     }
+    for name in settings.stage_calls_named():  # a typo would leave its stage at its defaults
+        if name not in calls:
+            raise SettingsError(
+                f"STAGE_CALLS {name}: no calling stage of that name (the calling stages: {', '.join(calls)})"
+            )
+    return calls
 
 
 async def build_upstream(
@@ -272,13 +278,19 @@ async def _deployments(
             check_deployments(keyed, tuple(calls))
         except DeploymentError as exc:
             raise SettingsError(f"UPSTREAMS: {exc}") from None
+        for d in keyed:  # a typo in `models` would otherwise serve less than written, silently
+            for stage in (s for s, _ in d.models if s not in calls):
+                raise SettingsError(
+                    f"UPSTREAMS: deployment {d.name!r}: models: {stage!r} is not a calling stage "
+                    f"(the calling stages: {', '.join(calls)})"
+                )
         for d in keyed:
             served = ", ".join(f"{s} by {m}" for s, m in d.models)
             log.info(
                 "upstream %s: %s at %s (%s; limit group %s)",
                 d.name,
                 d.provider,
-                d.base_url,
+                redact_url(d.base_url),
                 served,
                 d.limit_group,
             )

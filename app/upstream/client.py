@@ -718,7 +718,8 @@ class Upstream:
             # /readyz and shared through Redis, so it is a code (`refused 401`).
             log.error("upstream %s refused the %s call with %d: %s", route.name, call.stage, status, message)
             if status == 401 and route.endpoint.credential is not None:
-                route.endpoint.credential.refused()  # its probe sends a new token
+                # Its probe sends a new token (unless this 401 was to one already replaced).
+                route.endpoint.credential.refused(response.request_info.headers)
             route.breaker.take_out(now, f"refused {status}", OUT_RETRY_S)
             # Another deployment may take the call; with none left, the scan ends here.
             return AttemptFailed(UpstreamRejected(REJECTED_KEY_MESSAGE), retry=True, reason=status_class)

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class CredentialUnavailable(Exception):
 class Token:
     """An access token as its service states it; times on the wall clock (epoch seconds)."""
 
-    value: str
+    value: str = field(repr=False)  # a bearer secret: never in a log line or a traceback
     expires_at: float
     refresh_at: float | None = None  # when the service advises a refresh, if it does
 
@@ -68,8 +68,9 @@ class Credential:
         """This request's headers (only asked when `per_request`)."""
         return {}
 
-    def refused(self) -> None:
-        """The provider answered 401 to what this sent: forget it, the next use fetches anew."""
+    def refused(self, sent: Mapping[str, str]) -> None:
+        """The provider answered 401 to a request that carried `sent` (its headers): forget
+        what it carried, the next use fetches anew."""
 
     async def aclose(self) -> None:
         """Release what it holds (a token service's client)."""
@@ -140,7 +141,12 @@ class RefreshingToken(Credential):
             raise CredentialUnavailable(f"{self.name}: the token service gave no usable token")
         return self._headers
 
-    def refused(self) -> None:
+    def refused(self, sent: Mapping[str, str]) -> None:
+        # A 401 to a token already replaced (requests that carried it were still on their
+        # way) says nothing of the one held: forgetting it would ask the library again,
+        # whose cache hands it back, taken as no new token, and the deployment went out.
+        if sent.get(self._header) != self._headers.get(self._header):
+            return
         self._refresh_from = self._usable_until = 0.0
 
     async def aclose(self) -> None:

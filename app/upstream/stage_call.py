@@ -12,6 +12,7 @@ stage order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -82,7 +83,8 @@ def _field_value(name: str, value: Any) -> Any:
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{name}: a non-empty string, got {value!r}")
         return value.strip()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # Python's JSON reads NaN and Infinity: no bound, or one no comparison fails.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name}: a number, got {value!r}")
     return int(value) if name == "max_tokens" else float(value)
 
@@ -91,6 +93,9 @@ def _cache(given: Any) -> CacheLimits:
     if given is None or given is False:
         return NO_CACHE
     try:
-        return CacheLimits(int(given["entries"]), int(given["max_bytes"]), float(given["ttl_s"]))
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"cache: {{entries, max_bytes, ttl_s}}, got {dict(given)!r}") from None
+        limits = CacheLimits(int(given["entries"]), int(given["max_bytes"]), float(given["ttl_s"]))
+    except (KeyError, TypeError, ValueError, OverflowError):
+        limits = None
+    if limits is None or not math.isfinite(limits.ttl_s):
+        raise ValueError(f"cache: {{entries, max_bytes, ttl_s}}, got {given!r}")
+    return limits

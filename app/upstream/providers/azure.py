@@ -10,12 +10,11 @@ carry only `prompt_filter_results`, with empty `choices` (app/upstream/wire.py r
 
 from __future__ import annotations
 
-import importlib.util
 from urllib.parse import quote
 
 from app.upstream.credentials import Credential, RefreshingToken, Token
 from app.upstream.providers import register
-from app.upstream.providers.base import KEY, Deployment, Provider
+from app.upstream.providers.base import KEY, Deployment, Provider, installed
 
 ENTRA_ID = "entra_id"
 # What a token for Azure OpenAI (Azure AI services) is asked for.
@@ -28,7 +27,7 @@ class Azure(Provider):
     versioned = True
 
     def check(self, deployment: Deployment) -> str | None:
-        if deployment.auth == ENTRA_ID and importlib.util.find_spec("azure.identity") is None:
+        if deployment.auth == ENTRA_ID and not installed("azure.identity"):
             return "auth: entra_id needs azure-identity (pip install 'ecoscan[azure]')"
         return super().check(deployment)
 

@@ -6,6 +6,7 @@ overrides what its provider does differently and registers itself (app/upstream/
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -143,6 +144,15 @@ _REFUSING = (
     "invalid",
     "not allowed",
 )
+
+
+def installed(module: str) -> bool:
+    """Whether `module` (dotted) can be imported: False, not ModuleNotFoundError, when its
+    top-level package is missing too (find_spec imports the parents)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _named_parameter(message: str) -> str | None:

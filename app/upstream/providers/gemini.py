@@ -12,7 +12,6 @@ input tokens; an image is 258 tokens per 768-px tile."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 from collections.abc import Mapping
 from datetime import UTC
@@ -20,7 +19,7 @@ from typing import Any
 
 from app.upstream.credentials import TOKEN_WAIT_S, Credential, RefreshingToken, Token
 from app.upstream.providers import register
-from app.upstream.providers.base import KEY, Deployment, ErrorInfo, Provider
+from app.upstream.providers.base import KEY, Deployment, ErrorInfo, Provider, installed
 from app.upstream.tokens import GeminiTiles, ImageBilling
 
 RETRY_INFO = "type.googleapis.com/google.rpc.RetryInfo"
@@ -44,7 +43,7 @@ class Gemini(Provider):
     auths = (KEY, VERTEX_AI)
 
     def check(self, deployment: Deployment) -> str | None:
-        if deployment.auth == VERTEX_AI and importlib.util.find_spec("google.auth") is None:
+        if deployment.auth == VERTEX_AI and not installed("google.auth"):
             return "auth: vertex_ai needs google-auth (pip install 'ecoscan[google]')"
         return super().check(deployment)
 
