@@ -254,3 +254,50 @@ async def test_a_token_service_that_is_down_takes_vertex_out_and_scans_go_to_the
     assert {o.terminal.data["upstreams"]["answer"] for o in during} == {"gemini-api"}
     assert failed(after) == [] and vertex_calls > 0
     assert "vertex" in {o.terminal.data["upstreams"]["answer"] for o in after}
+
+
+async def test_a_token_refused_at_the_probe_is_not_sent_again_by_the_next_probe(
+    database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The token service issues tokens the provider does not take (another audience, a
+    skewed clock), then mends. Each probe's 401 drops the token it sent, so a probe after
+    the mend fetches one that works; were the refused token kept, every probe would resend
+    it until its planned refresh (an hour-long token: most of an hour out). Vertex AI:
+    google-auth fetches anew when asked (azure-identity hands back its cached token until
+    its own refresh, so an Entra ID deployment waits for that; docs/configuration.md)."""
+    monkeypatch.setattr(app.upstream.client, "OUT_RETRY_S", 0.5)
+    monkeypatch.setattr(app.upstream.probes, "OUT_RETRY_S", 0.5)
+    keyed = SimConfig(flavor="gemini", api_key="sk-gemini-api", **FAST)
+    async with (
+        run_token_issuer("not-the-providers-secret", 3600) as issuer,
+        run_simulator(token_sim("gemini")) as vertex,
+        run_simulator(keyed) as gemini,
+    ):
+        google_service_account(issuer, tmp_path, monkeypatch)
+        base_url = f"{vertex.url}/v1/projects/ecoscan-test/locations/europe-west4/endpoints/openapi"
+        deployments = [
+            listed("vertex", "gemini", "vertex_ai", base_url, "google/gemini-2.5-flash"),
+            listed(
+                "gemini-api",
+                "gemini",
+                "key",
+                f"{gemini.url}/v1beta/openai/",
+                "gemini-2.5-flash",
+                api_key_env="KEY_GEMINI_API",
+                priority=1,
+            ),
+        ]
+        async with routed_service(database_url, sim, monkeypatch, deployments) as svc:
+            during = await scans_for(svc, 0.5, workers=2)
+            refused_probe = {"upstream": "vertex", "outcome": "failed"}
+            assert await eventually(
+                lambda: svc.metric("ecoscan_upstream_probes_total", refused_probe) >= 1, attempts=1000
+            )
+            issuer.issuer.secret = SECRET  # mended: its tokens are the provider's now
+            back = {"upstream": "vertex", "outcome": "ok"}
+            assert await eventually(
+                lambda: svc.metric("ecoscan_upstream_probes_total", back) >= 1, attempts=1000
+            )
+            after = await scans_for(svc, 0.5, workers=2)
+    assert during and failed(during) == [] and failed(after) == []
+    assert "vertex" in {o.terminal.data["upstreams"]["answer"] for o in after}

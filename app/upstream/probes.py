@@ -216,6 +216,10 @@ class Prober:
             if response is not None:
                 response.release()
         verdict, wait_s = _verdict_of_status(response.status, content, route, response.headers)
+        if response.status == 401 and route.endpoint.credential is not None:
+            # A token refused at the probe alone (revoked, a skewed clock): the next probe
+            # asks for a new one instead of resending it until its planned refresh.
+            route.endpoint.credential.refused(response.request_info.headers)
         if response.status == 429:
             reservation.settle(None)  # a 429 is not counted by the limiter
         elif verdict == "ok" and response.status < 300:
