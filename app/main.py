@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from app.http.docs_page import router as docs_router
+from app.http.early_refusal import STATE_KEY, EarlyRefusal
 from app.http.errors import install_error_handlers
 from app.http.head_limits import HeadLimits
 from app.http.openapi.document import install_openapi
@@ -50,7 +51,10 @@ def create_app(
                     tuned_heap(settings.gc_young_threshold, in_flight=lambda: resources.admission.in_flight),
                     timed_collections(resources.metrics.observe_gc_pause),
                 ):
-                    yield {"resources": resources}
+                    yield {
+                        "resources": resources,
+                        STATE_KEY: EarlyRefusal(resources.acceptance.refused_early),
+                    }
             finally:
                 signals.restore()
 
