@@ -19,7 +19,7 @@ from app.http.head_limits import HeadLimits
 from app.http.openapi.document import install_openapi
 from app.http.page import router as page_router
 from app.http.routes import router
-from app.resources import lifespan_resources
+from app.resources import Resources, lifespan_resources
 from app.runtime.heap import timed_collections, tuned_heap
 from app.runtime.metrics import Metrics
 from app.runtime.redaction import scrub_access_log
@@ -51,10 +51,7 @@ def create_app(
                     tuned_heap(settings.gc_young_threshold, in_flight=lambda: resources.admission.in_flight),
                     timed_collections(resources.metrics.observe_gc_pause),
                 ):
-                    yield {
-                        "resources": resources,
-                        STATE_KEY: EarlyRefusal(resources.acceptance.refused_early),
-                    }
+                    yield {"resources": resources, STATE_KEY: _early_refusal(resources)}
             finally:
                 signals.restore()
 
@@ -69,6 +66,14 @@ def create_app(
     # app/http/protocol.py (a bare `uvicorn app.main:app`).
     app.add_middleware(HeadLimits)
     return app
+
+
+def _early_refusal(resources: Resources) -> EarlyRefusal | None:
+    """What the HTTP protocol asks before a scan reaches the app (app/http/early_refusal.py):
+    only the loop pacer refuses there, so nothing without it."""
+    if not (resources.settings.loop_pacing and resources.settings.loop_utilisation_target):
+        return None
+    return EarlyRefusal(resources.acceptance.refused_early, resources.acceptance.charge_early)
 
 
 def _configure_logging(level: str) -> None:

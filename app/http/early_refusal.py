@@ -39,17 +39,19 @@ def is_scan_post(method: bytes, url: bytes) -> bool:
 
 
 class EarlyRefusal:
-    """`ask(cpu_at)`: the refusal of a scan whose head was parsed now, or None
-    (ScanAcceptance.refused_early, which counts it)."""
+    """`ask()`: the refusal of a scan whose head was parsed now, or None; `charge(cpu_s)`:
+    what answering it cost the loop (ScanAcceptance.refused_early and .charge_early, which
+    count them as the app counts its own)."""
 
-    def __init__(self, ask: Callable[[float], Overloaded | None]) -> None:
+    def __init__(self, ask: Callable[[], Overloaded | None], charge: Callable[[float], None]) -> None:
         self._ask = ask
+        self.charge = charge
         self._answers: dict[tuple[str, int], tuple[bytes, bytes, bytes]] = {}
 
-    def answer(self, cpu_at: float) -> tuple[bytes, bytes, bytes] | None:
+    def answer(self) -> tuple[bytes, bytes, bytes] | None:
         """(status line, header fields, body) of the refusal, or None to let the scan in.
         Status line and fields end in CRLF; the server's default headers go between them."""
-        refusal = self._ask(cpu_at)
+        refusal = self._ask()
         if refusal is None:
             return None
         key = (refusal.code, math.ceil(refusal.retry_after_s))  # at most MAX_RETRY_AFTER_S of them

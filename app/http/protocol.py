@@ -96,7 +96,8 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
             return False
         if self.cycle is not None and not self.cycle.response_complete:
             return False  # pipelined behind a response still being sent: answers go in order
-        answer = refusal.answer(time.thread_time())
+        cpu_at = time.thread_time()
+        answer = refusal.answer()
         if answer is None:
             return False
         version = self.parser.get_http_version()
@@ -106,10 +107,11 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
         head.append(fields if keep_alive else fields + b"connection: close\r\n")
         self.transport.write(b"".join(head) + b"\r\n" + body)
         self._refused = keep_alive
+        refusal.charge(time.thread_time() - cpu_at)
         if self.access_log:
             url = self.url.decode("latin-1")
             self.access_logger.info(
-                '%s - "POST %s HTTP/%s" %s', get_client_addr(self.scope), url, version, line[9:12]
+                '%s - "POST %s HTTP/%s" %s', get_client_addr(self.scope), url, version, line[9:12].decode()
             )
         return True
 
