@@ -171,33 +171,41 @@ async def until_at_least(svc: Service, metric: str, value: float, labels: dict[s
         await asyncio.sleep(0.01)
 
 
-async def early_refusals(svc: Service, photo: str) -> list[tuple[int, dict[str, str], Any]]:
-    """On one connection: a scan with its body, a scan whose content type the app would
-    refuse with 415, and a health check. Refused in the protocol, the first two never reach
-    the app (503, not 415), their bodies are skipped and the connection serves the third."""
+async def early_refusals(svc: Service, photo: str) -> tuple[list[tuple[int, dict[str, str], Any]], bool]:
+    """Sent at once, each in one write (the pacer's queue is ahead of the clock for less
+    than a second): on one connection a scan with its body, a scan whose content type the
+    app would refuse with 415 and a health check; on another a scan that asks to close the
+    connection. Refused in the protocol, the scans never reach the app (503, not 415),
+    their bodies are skipped and the first connection serves the health check behind
+    them; the second closes. The four answers, and whether the second closed."""
     body = json.dumps({"image_url": photo}).encode()
-    requests = [
-        b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
-        % (SCAN_URL.encode(), kind, len(body), body)
-        for kind in (b"application/json", b"text/plain")
-    ]
-    requests.append(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    scan = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n%s"
+    kept = scan % (SCAN_URL.encode(), b"application/json", len(body), b"", body)
+    kept += scan % (SCAN_URL.encode(), b"text/plain", len(body), b"", body)
+    kept += b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+    closing = scan % (SCAN_URL.encode(), b"application/json", len(body), b"Connection: close\r\n", body)
     host, port = svc.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    answers = []
+    one, two = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
     try:
-        for request in requests:
-            writer.write(request)
-            async with asyncio.timeout(FOLLOW_WITHIN_S):
-                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-                headers = {
-                    k.lower(): v for k, v in (line.split(": ", 1) for line in head[1:] if ": " in line)
-                }
-                answer = json.loads(await reader.readexactly(int(headers["content-length"])))
-            answers.append((int(head[0].split()[1]), headers, answer))
+        one[1].write(kept)
+        two[1].write(closing)
+        async with asyncio.timeout(FOLLOW_WITHIN_S):
+            answers = [await read_answer(one[0]) for _ in range(3)] + [await read_answer(two[0])]
+            closed = await two[0].read() == b""
     finally:
-        writer.close()
-    return answers
+        one[1].close()
+        two[1].close()
+    return answers, closed
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], Any]:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in head[1:] if ": " in line)}
+    return (
+        int(head[0].split()[1]),
+        headers,
+        json.loads(await reader.readexactly(int(headers["content-length"]))),
+    )
 
 
 async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
@@ -219,12 +227,13 @@ async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
             )
             await until_at_least(svc, "ecoscan_loop_shed_total", 1, {"reason": SATURATED})
             # While the wave holds the pacer's turns: answered by the HTTP protocol.
-            raw = await early_refusals(svc, photos[0])
+            raw, closed = await early_refusals(svc, photos[0])
             outcomes = await wave
-        assert [status for status, _, _ in raw] == [503, 503, 200]
-        for _, headers, body in raw[:2]:
+        assert [status for status, _, _ in raw] == [503, 503, 200, 503]
+        for _, headers, body in raw[:2] + raw[3:]:
             assert body["code"] == "SERVER_BUSY" and int(headers["retry-after"]) >= 1, (headers, body)
             assert headers["content-type"] == "application/json"
+        assert "connection" not in raw[0][1] and raw[3][1]["connection"] == "close" and closed
         accepted = [o for o in outcomes if o.status == 200]
         shed = [o for o in outcomes if o.status != 200]
         assert accepted, "the floor rate still lets scans in"
@@ -233,7 +242,7 @@ async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
         for o in shed:
             assert o.status == 503 and o.body["code"] == "SERVER_BUSY", o.body
             assert int(o.headers["retry-after"]) >= 1
-        refused = len(shed) + 2  # and the two on the raw connection
+        refused = len(shed) + 3  # and the three on the raw connection
         assert svc.metric("ecoscan_loop_shed_total", {"reason": SATURATED}) == refused
         assert svc.metric("ecoscan_admission_rejected_total", {"reason": "SERVER_BUSY"}) == refused
         assert svc.metric("ecoscan_scans_total", {"outcome": "rejected", "code": "SERVER_BUSY"}) == refused
