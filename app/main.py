@@ -73,7 +73,7 @@ def _early_refusal(resources: Resources) -> EarlyRefusal | None:
     only the loop pacer refuses there, so nothing without it."""
     if not (resources.settings.loop_pacing and resources.settings.loop_utilisation_target):
         return None
-    return EarlyRefusal(resources.acceptance.refused_early, resources.acceptance.charge_early)
+    return EarlyRefusal(resources.acceptance.refused_early, resources.acceptance.charge_shed)
 
 
 def _configure_logging(level: str) -> None:

@@ -3,12 +3,13 @@ soon as their head is parsed, before anything of the app runs for them.
 
 When the event loop is out of CPU, every refusal competes for that CPU with the scans it
 protects; and a refused client comes back after its Retry-After, again and again. Through
-the app a refusal cost the loop 0.6-1.0 ms (an ASGI cycle and its task, middleware,
-routing, a request object, the error handler, a JSON response and its sends:
-docs/benchmarks.md), about a twentieth of a whole scan. Here it is the pacer's question
-and one write of bytes built once per `Retry-After` value; the body is never read into
-memory (the protocol lets the parser skip it and keeps the connection, since closing
-one with unread bytes resets it, and the client might never see its 503).
+the app a refusal cost the process 0.29-0.38 ms of CPU (an ASGI cycle and its task,
+middleware, routing, a request object, the error handler, a JSON response and its sends);
+here 0.13-0.21 ms, on the same box (docs/benchmarks.md): the socket's reads, the head's
+parse, the pacer's question and one write of bytes built once per `Retry-After` value.
+The body is never read into memory (the protocol lets the parser skip it and keeps the
+connection, since closing one with unread bytes resets it, and the client might never see
+its 503).
 
 The lifespan puts an `EarlyRefusal` in the app's state under `STATE_KEY`; a server without
 our protocol, a request with `Expect: 100-continue` and a pipelined request behind one
@@ -40,7 +41,7 @@ def is_scan_post(method: bytes, url: bytes) -> bool:
 
 class EarlyRefusal:
     """`ask()`: the refusal of a scan whose head was parsed now, or None; `charge(cpu_s)`:
-    what answering it cost the loop (ScanAcceptance.refused_early and .charge_early, which
+    what answering it cost the loop (ScanAcceptance.refused_early and .charge_shed, which
     count them as the app counts its own)."""
 
     def __init__(self, ask: Callable[[], Overloaded | None], charge: Callable[[float], None]) -> None:

@@ -240,33 +240,31 @@ class ScanAcceptance:
         try:
             await self._pacer.enter()
         except LoopBusy as busy:
-            self._count_shed(busy, time.thread_time() - cpu_at)
+            self._count_shed(busy)
+            self.charge_shed(time.thread_time() - cpu_at)
             raise
 
     def refused_early(self) -> LoopBusy | None:
         """Whether the pacer refuses a scan whose head has just been parsed, asked by the
         HTTP protocol before the request reaches the app (app/http/early_refusal.py); a
         refusal is counted as the app counts its own, its CPU once it is sent
-        (`charge_early`)."""
+        (`charge_shed`)."""
         if self._pacer is None or not self._pipeline.accepting:
             return None
         busy = self._pacer.refusal()
         if busy is not None:
-            self._count_shed(busy, 0.0)
+            self._count_shed(busy)
             self._metrics.scans.labels("rejected", busy.code).inc()
         return busy
 
-    def charge_early(self, cpu_s: float) -> None:
-        """What an early refusal cost the loop, from its question to its answer's write."""
+    def charge_shed(self, cpu_s: float) -> None:
+        """What refusing a scan cost the loop: kept out of the CPU a scan costs."""
         if self._pacer is not None:
             self._pacer.capacity.refused(cpu_s)
             self._metrics.loop_shed_cpu.inc(cpu_s)
 
-    def _count_shed(self, busy: LoopBusy, cpu_s: float) -> None:
-        assert self._pacer is not None
-        self._pacer.capacity.refused(cpu_s)
+    def _count_shed(self, busy: LoopBusy) -> None:
         self._metrics.loop_shed.labels(busy.reason).inc()
-        self._metrics.loop_shed_cpu.inc(cpu_s)
         self._metrics.admission_rejected.labels(busy.code).inc()
 
     async def _taken(self, claim: IdempotencyClaim) -> KeyTaken | None:
