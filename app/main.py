@@ -13,12 +13,13 @@ from typing import Any
 from fastapi import FastAPI
 
 from app.http.docs_page import router as docs_router
+from app.http.early_refusal import STATE_KEY, EarlyRefusal
 from app.http.errors import install_error_handlers
 from app.http.head_limits import HeadLimits
 from app.http.openapi.document import install_openapi
 from app.http.page import router as page_router
 from app.http.routes import router
-from app.resources import lifespan_resources
+from app.resources import Resources, lifespan_resources
 from app.runtime.heap import timed_collections, tuned_heap
 from app.runtime.metrics import Metrics
 from app.runtime.redaction import scrub_access_log
@@ -50,7 +51,7 @@ def create_app(
                     tuned_heap(settings.gc_young_threshold, in_flight=lambda: resources.admission.in_flight),
                     timed_collections(resources.metrics.observe_gc_pause),
                 ):
-                    yield {"resources": resources}
+                    yield {"resources": resources, STATE_KEY: _early_refusal(resources)}
             finally:
                 signals.restore()
 
@@ -65,6 +66,14 @@ def create_app(
     # app/http/protocol.py (a bare `uvicorn app.main:app`).
     app.add_middleware(HeadLimits)
     return app
+
+
+def _early_refusal(resources: Resources) -> EarlyRefusal | None:
+    """What the HTTP protocol asks before a scan reaches the app (app/http/early_refusal.py):
+    only the loop pacer refuses there, so nothing without it."""
+    if not (resources.settings.loop_pacing and resources.settings.loop_utilisation_target):
+        return None
+    return EarlyRefusal(resources.acceptance.refused_early, resources.acceptance.charge_shed)
 
 
 def _configure_logging(level: str) -> None:

@@ -107,8 +107,9 @@ class Settings:
     # The share of the time the event loop's thread may be busy (app/limits/loop_capacity.py):
     # measured against it always (0: not measured), new scans paced to it with LOOP_PACING.
     loop_utilisation_target: float = 0.8
-    # Off by default: on this 2-core box the pacer held the loop under 0.25 s of lag but
-    # completed a quarter of the scans (docs/benchmarks.md); refusals must get cheaper first.
+    # Off by default: on this 2-core box the pacer failed no scan and cut the worst stall
+    # several times, but completed a fraction of the scans, even with refusals answered
+    # in the HTTP protocol (docs/benchmarks.md): its controller never fills the loop.
     loop_pacing: bool = False
     max_budget_wait_s: float = 10.0
     scan_deadline_s: float = 60.0

@@ -9,6 +9,7 @@ process CPU less the few scans it admitted at the measured CPU per scan; printed
 `ecoscan_loop_shed_cpu_seconds_total` (acceptance's own part of it).
 
     .venv/bin/python k6/refusal_cost.py --wave 2000
+    .venv/bin/python k6/refusal_cost.py --wave 2000 --checkout ../overload-base   # another build
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def main() -> int:
     p.add_argument("--scans", type=int, default=100)
     p.add_argument("--wave", type=int, default=2000)
     p.add_argument("--target", default="0.01", help="LOOP_UTILISATION_TARGET of the service")
+    p.add_argument(
+        "--checkout", type=Path, default=ROOT, help="the build measured (a `git worktree` of another commit)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "refusal-cost")
     p.add_argument(
         "--database-url",
@@ -110,13 +114,13 @@ def main() -> int:
         wait_ready(sim, f"http://{HOST}:{sim_port}/sim/stats", START_TIMEOUT_S)
         url = service(
             "service",
-            ROOT,
+            args.checkout.resolve(),
             "app.main:app",
             sim_port,
             args.database_url,
             args.out,
             procs,
-            {**DEFAULTS, "LOOP_UTILISATION_TARGET": args.target},
+            {**DEFAULTS, "LOOP_UTILISATION_TARGET": args.target, "LOOP_PACING": "true"},
             backlog=4096,
         )
         asyncio.run(measure(url, procs[-1].popen.pid, args.scans, args.wave))

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -17,7 +19,15 @@ from app.limits.loop_capacity import MIN_RATE, PRIOR_CPU_PER_SCAN_S, SAMPLE_INTE
 from app.limits.loop_pacer import BURST_S, QUEUE_S, SATURATED, WAVE, LoopBusy, LoopPacer
 from app.sim.server import RunningSimulator
 
-from .conftest import Service, data_url, make_jpeg, run_scan, running_service, settings_for
+from .conftest import (
+    SCAN_URL,
+    Service,
+    data_url,
+    make_jpeg,
+    run_scan,
+    running_service,
+    settings_for,
+)
 
 # How long the loop-capacity signal may take to follow the burner: it samples twice a second.
 FOLLOW_WITHIN_S = 30.0
@@ -154,6 +164,50 @@ async def until(svc: Service, metric: str, value: float, labels: dict[str, str] 
         await asyncio.sleep(0.1)
 
 
+async def until_at_least(svc: Service, metric: str, value: float, labels: dict[str, str]) -> None:
+    deadline = time.monotonic() + FOLLOW_WITHIN_S
+    while svc.metric(metric, labels) < value:
+        assert time.monotonic() < deadline, f"{metric} is {svc.metric(metric, labels)}, under {value}"
+        await asyncio.sleep(0.01)
+
+
+async def early_refusals(svc: Service, photo: str) -> tuple[list[tuple[int, dict[str, str], Any]], bool]:
+    """Sent at once, each in one write (the pacer's queue is ahead of the clock for less
+    than a second): on one connection a scan with its body, a scan whose content type the
+    app would refuse with 415 and a health check; on another a scan that asks to close the
+    connection. Refused in the protocol, the scans never reach the app (503, not 415),
+    their bodies are skipped and the first connection serves the health check behind
+    them; the second closes. The four answers, and whether the second closed."""
+    body = json.dumps({"image_url": photo}).encode()
+    scan = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n%s"
+    kept = scan % (SCAN_URL.encode(), b"application/json", len(body), b"", body)
+    kept += scan % (SCAN_URL.encode(), b"text/plain", len(body), b"", body)
+    kept += b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+    closing = scan % (SCAN_URL.encode(), b"application/json", len(body), b"Connection: close\r\n", body)
+    host, port = svc.url.removeprefix("http://").split(":")
+    one, two = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+    try:
+        one[1].write(kept)
+        two[1].write(closing)
+        async with asyncio.timeout(FOLLOW_WITHIN_S):
+            answers = [await read_answer(one[0]) for _ in range(3)] + [await read_answer(two[0])]
+            closed = await two[0].read() == b""
+    finally:
+        one[1].close()
+        two[1].close()
+    return answers, closed
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], Any]:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in head[1:] if ": " in line)}
+    return (
+        int(head[0].split()[1]),
+        headers,
+        json.loads(await reader.readexactly(int(headers["content-length"]))),
+    )
+
+
 async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
     database_url: str, sim: RunningSimulator
 ) -> None:
@@ -165,12 +219,21 @@ async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
             await until(svc, "ecoscan_loop_saturated", 1.0)
             await until(svc, "ecoscan_limit", MIN_RATE, {"limit": "loop_rate"})
             assert svc.metric("ecoscan_loop_utilisation") >= 0.8
-            outcomes = await asyncio.gather(
+            wave = asyncio.gather(
                 *(
                     run_scan(svc.client, json={"image_url": photo}, headers={"X-User-ID": f"u{n}"})
                     for n, photo in enumerate(photos)
                 )
             )
+            await until_at_least(svc, "ecoscan_loop_shed_total", 1, {"reason": SATURATED})
+            # While the wave holds the pacer's turns: answered by the HTTP protocol.
+            raw, closed = await early_refusals(svc, photos[0])
+            outcomes = await wave
+        assert [status for status, _, _ in raw] == [503, 503, 200, 503]
+        for _, headers, body in raw[:2] + raw[3:]:
+            assert body["code"] == "SERVER_BUSY" and int(headers["retry-after"]) >= 1, (headers, body)
+            assert headers["content-type"] == "application/json"
+        assert "connection" not in raw[0][1] and raw[3][1]["connection"] == "close" and closed
         accepted = [o for o in outcomes if o.status == 200]
         shed = [o for o in outcomes if o.status != 200]
         assert accepted, "the floor rate still lets scans in"
@@ -179,8 +242,10 @@ async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
         for o in shed:
             assert o.status == 503 and o.body["code"] == "SERVER_BUSY", o.body
             assert int(o.headers["retry-after"]) >= 1
-        assert svc.metric("ecoscan_loop_shed_total", {"reason": SATURATED}) == len(shed)
-        assert svc.metric("ecoscan_admission_rejected_total", {"reason": "SERVER_BUSY"}) == len(shed)
+        refused = len(shed) + 3  # and the three on the raw connection
+        assert svc.metric("ecoscan_loop_shed_total", {"reason": SATURATED}) == refused
+        assert svc.metric("ecoscan_admission_rejected_total", {"reason": "SERVER_BUSY"}) == refused
+        assert svc.metric("ecoscan_scans_total", {"outcome": "rejected", "code": "SERVER_BUSY"}) == refused
         assert svc.metric("ecoscan_loop_shed_cpu_seconds_total") > 0
         assert svc.metric("ecoscan_limit_changes_total", {"limit": "loop_rate", "reason": "floor"}) >= 1
         # Burner off: the loop comes back under its target, and new scans start again.

@@ -4,6 +4,10 @@
   size (a 16 MB header is accepted); here a head still incomplete after
   `MAX_REQUEST_HEAD_BYTES` is refused with 431 and the connection closed, so a
   connection never holds more than that plus one read's worth of head.
+- **Scans the loop pacer refuses, answered here** (app/http/early_refusal.py): as soon
+  as a scan's head is parsed, before an ASGI cycle, a task or anything of the app exists
+  for it, with pre-built bytes; its body is skipped as the parser reads it, and the
+  connection kept.
 - **JSON error bodies** for rejections the application never sees (malformed
   request lines, bad `Content-Length`, control characters in headers): the same
   `{"detail", "code"}` shape as every other error, with code `BAD_HTTP_REQUEST`.
@@ -18,11 +22,14 @@ in the environment (what the image sets, so a bare command run in it has it too)
 from __future__ import annotations
 
 import json
+import time
 from http import HTTPStatus
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _UvicornHttpToolsProtocol
+from uvicorn.protocols.utils import get_client_addr
 
+from app.http.early_refusal import STATE_KEY, EarlyRefusal, is_scan_post
 from app.http.head_limits import MAX_REQUEST_HEAD_BYTES
 
 __all__ = ["MAX_REQUEST_HEAD_BYTES", "HttpToolsProtocol"]
@@ -34,6 +41,7 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         self._heads_completed = 0
+        self._refused: bool | None = None  # a request answered early: None, or whether to keep the connection
 
     def data_received(self, data: bytes) -> None:
         counting = self._in_head
@@ -52,15 +60,60 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
                 f"The request line and headers exceed {MAX_REQUEST_HEAD_BYTES} bytes.",
             )
 
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        # A request right behind one answered early, in the same read: the keep-alive
+        # timer that answer armed must not close the connection under it.
+        self._unset_keepalive_if_required()
+
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_bytes = 0
         self._heads_completed += 1
-        super().on_headers_complete()
+        if not self._refuse_early():
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._refused is None:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
-        super().on_message_complete()
         self._in_head = True
+        if self._refused is None:
+            super().on_message_complete()
+            return
+        keep_alive, self._refused = self._refused, None
+        if keep_alive:
+            self.on_response_complete()  # as uvicorn does once a response is sent: the keep-alive timer
+        else:
+            self.transport.close()
+
+    def _refuse_early(self) -> bool:
+        """A scan the loop pacer refuses, answered now (app/http/early_refusal.py)."""
+        refusal: EarlyRefusal | None = self.app_state.get(STATE_KEY)
+        method = self.parser.get_method()
+        if refusal is None or self.expect_100_continue or not is_scan_post(method, self.url):
+            return False
+        if self.cycle is not None and not self.cycle.response_complete:
+            return False  # pipelined behind a response still being sent: answers go in order
+        cpu_at = time.thread_time()
+        answer = refusal.answer()
+        if answer is None:
+            return False
+        version = self.parser.get_http_version()
+        keep_alive = version != "1.0" and self.parser.should_keep_alive()
+        line, fields, body = answer
+        head = [line, *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)]
+        head.append(fields if keep_alive else fields + b"connection: close\r\n")
+        self.transport.write(b"".join(head) + b"\r\n" + body)
+        self._refused = keep_alive
+        refusal.charge(time.thread_time() - cpu_at)
+        if self.access_log:
+            url = self.url.decode("latin-1")
+            self.access_logger.info(
+                '%s - "POST %s HTTP/%s" %s', get_client_addr(self.scope), url, version, line[9:12].decode()
+            )
+        return True
 
     def send_400_response(self, msg: str) -> None:
         self._send_json_error(HTTPStatus.BAD_REQUEST, "BAD_HTTP_REQUEST", msg)

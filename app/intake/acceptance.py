@@ -18,9 +18,10 @@ one with a key reserves right before admission, once it is known not to repeat a
 scan (a retry is answered even at the quota). Any later refusal gives the place back: only
 a scan that starts uses it.
 
-The event loop's capacity (app/limits/loop_pacer.py, when LOOP_UTILISATION_TARGET is set):
-right after the rate and quota, before the body is read, the scan waits for its turn at
-the rate the loop can take, or is refused SERVER_BUSY; what the refusal cost the loop is
+The event loop's capacity (app/limits/loop_pacer.py, with LOOP_PACING): right after the
+rate and quota, before the body is read, the scan waits for its turn at the rate the loop
+can take, or is refused SERVER_BUSY; most refusals come earlier still, from the HTTP
+protocol (`refused_early`, app/http/early_refusal.py). What a refusal cost the loop is
 measured and counted apart from what scans cost it.
 """
 
@@ -247,12 +248,32 @@ class ScanAcceptance:
         try:
             await self._pacer.enter()
         except LoopBusy as busy:
-            cpu_s = time.thread_time() - cpu_at
-            self._pacer.capacity.refused(cpu_s)
-            self._metrics.loop_shed.labels(busy.reason).inc()
-            self._metrics.loop_shed_cpu.inc(cpu_s)
-            self._metrics.admission_rejected.labels(busy.code).inc()
+            self._count_shed(busy)
+            self.charge_shed(time.thread_time() - cpu_at)
             raise
+
+    def refused_early(self) -> LoopBusy | None:
+        """Whether the pacer refuses a scan whose head has just been parsed, asked by the
+        HTTP protocol before the request reaches the app (app/http/early_refusal.py); a
+        refusal is counted as the app counts its own, its CPU once it is sent
+        (`charge_shed`)."""
+        if self._pacer is None or not self._pipeline.accepting:
+            return None
+        busy = self._pacer.refusal()
+        if busy is not None:
+            self._count_shed(busy)
+            self._metrics.scans.labels("rejected", busy.code).inc()
+        return busy
+
+    def charge_shed(self, cpu_s: float) -> None:
+        """What refusing a scan cost the loop: kept out of the CPU a scan costs."""
+        if self._pacer is not None:
+            self._pacer.capacity.refused(cpu_s)
+            self._metrics.loop_shed_cpu.inc(cpu_s)
+
+    def _count_shed(self, busy: LoopBusy) -> None:
+        self._metrics.loop_shed.labels(busy.reason).inc()
+        self._metrics.admission_rejected.labels(busy.code).inc()
 
     async def _taken(self, claim: IdempotencyClaim) -> KeyTaken | None:
         try:

@@ -2,14 +2,17 @@
 through a short bounded queue: a wave of arrivals becomes a ramp, not a stall.
 
 Placed in front of everything a scan costs the loop (reading and parsing its body, its
-row, its first events), after the checks that cost nothing (who asks, their rate and
-quota). Arrivals are spaced `1 / rate` apart (a virtual schedule, GCRA: no timer, no
-task); `BURST_S` of the rate may start at once. One that would wait more than `QUEUE_S`
-for its turn is refused at once with SERVER_BUSY: the refusal costs a header parse, not an
-upload. Its Retry-After is a turn of its own on a second schedule at the same rate, after
-the queue and after the turns given to those refused before it: what the queue drains at,
-so the refused come back as a ramp, not all in the same second (at most
-`MAX_RETRY_AFTER_S`).
+row, its first events), twice: in the HTTP protocol as soon as a scan's head is parsed
+(`refusal()`, app/http/early_refusal.py: no ASGI app, no request object, a pre-built
+answer, so a refusal costs the loop little more than the head's parse), and in acceptance
+after the caller's rate and quota (`enter()`, which takes the turn: for a scan that others
+overtook in between, or a server run without app/http/protocol.py). Arrivals are spaced
+`1 / rate` apart (a virtual schedule, GCRA: no timer, no task); `BURST_S` of the rate may
+start at once. One that would wait more than `QUEUE_S` for its turn is refused at once
+with SERVER_BUSY, its body never read. Its Retry-After is a turn of its own on a second
+schedule at the same rate, after the queue and after the turns given to those refused
+before it: what the queue drains at, so the refused come back as a ramp, not all in the
+same second (at most `MAX_RETRY_AFTER_S`).
 """
 
 from __future__ import annotations
@@ -48,17 +51,28 @@ class LoopPacer:
         self._retry_turn = 0.0  # when the next refused arrival is told to come back
         self.waiting = 0
 
-    async def enter(self) -> None:
-        """Wait for this arrival's turn (at most `QUEUE_S`), or raise `LoopBusy`."""
-        rate = self.capacity.rate
+    def refusal(self) -> LoopBusy | None:
+        """`LoopBusy` (its Retry-After's turn given) if an arrival now would wait more than
+        `QUEUE_S` for its turn, else None: a question that takes no turn, so the HTTP
+        protocol can ask it before a request reaches the app (app/http/early_refusal.py)."""
         now = time.monotonic()
         turn = max(self._turn, now - BURST_S)
+        if turn - now <= QUEUE_S:
+            return None
+        self._retry_turn = (
+            min(max(self._retry_turn, turn), now + MAX_RETRY_AFTER_S) + 1.0 / self.capacity.rate
+        )
+        reason = SATURATED if self.capacity.saturated else WAVE
+        return LoopBusy(reason, retry_after_s=max(1.0, math.ceil(self._retry_turn - now)))
+
+    async def enter(self) -> None:
+        """Wait for this arrival's turn (at most `QUEUE_S`), or raise `LoopBusy`."""
+        if (busy := self.refusal()) is not None:
+            raise busy
+        now = time.monotonic()
+        turn = max(self._turn, now - BURST_S)
+        self._turn = turn + 1.0 / self.capacity.rate
         wait = turn - now
-        if wait > QUEUE_S:
-            self._retry_turn = min(max(self._retry_turn, turn), now + MAX_RETRY_AFTER_S) + 1.0 / rate
-            reason = SATURATED if self.capacity.saturated else WAVE
-            raise LoopBusy(reason, retry_after_s=max(1.0, math.ceil(self._retry_turn - now)))
-        self._turn = turn + 1.0 / rate
         if wait <= 0:
             return
         self.waiting += 1

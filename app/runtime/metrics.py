@@ -598,8 +598,8 @@ class Metrics:
         )
         self.loop_shed_cpu = Counter(
             "ecoscan_loop_shed_cpu_seconds_total",
-            "The event loop's CPU time spent accepting the scans it then shed (the HTTP parse and the"
-            " 503's write not included).",
+            "The event loop's CPU time spent refusing the scans it shed: in the HTTP protocol from the"
+            " pacer's question to the 503's write, in acceptance from its start to the refusal.",
             registry=r,
         )
         self.upstream_timeouts = Counter(
