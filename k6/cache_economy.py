@@ -284,8 +284,8 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_mix_arguments(p: argparse.ArgumentParser, out: Path) -> None:
+    """The scan mix's options, shared with k6/cost_bench.py; `out` is where logs go."""
     p.add_argument("--scans", type=int, default=200, help="scans per pass")
     p.add_argument("--repeat", type=float, default=0.3, help="share of scans re-sending an earlier photo")
     p.add_argument("--question", type=float, default=0.5, help="share of scans with a user_input question")
@@ -293,7 +293,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=8, help="scans in flight (one user each)")
     p.add_argument("--sim-time-scale", type=float, default=0.05)
     p.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
-    p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "cache-economy", help="logs")
+    p.add_argument("--out", type=Path, default=out, help="logs")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_mix_arguments(p, ROOT / "k6" / "results" / "cache-economy")
     return p.parse_args()
 
 

@@ -80,6 +80,23 @@ def listed(name: str, provider: str, auth: str, base_url: str, model: str, **mor
     }
 
 
+def vertex_before_an_api_key(vertex: RunningSimulator, gemini: RunningSimulator) -> list[dict[str, Any]]:
+    """Gemini on Vertex AI first, and Gemini's API with a key to take its calls while it is out."""
+    base_url = f"{vertex.url}/v1/projects/ecoscan-test/locations/europe-west4/endpoints/openapi"
+    return [
+        listed("vertex", "gemini", "vertex_ai", base_url, "google/gemini-2.5-flash"),
+        listed(
+            "gemini-api",
+            "gemini",
+            "key",
+            f"{gemini.url}/v1beta/openai/",
+            "gemini-2.5-flash",
+            api_key_env="KEY_GEMINI_API",
+            priority=1,
+        ),
+    ]
+
+
 async def scans_for(svc: Service, seconds: float, workers: int = 6) -> list[ScanOutcome]:
     """Scans back to back from `workers` users for `seconds`, each of a photo of its own."""
     loop = asyncio.get_running_loop()
@@ -224,19 +241,7 @@ async def test_a_token_service_that_is_down_takes_vertex_out_and_scans_go_to_the
     ):
         google_service_account(issuer, tmp_path, monkeypatch)
         issuer.listener.stop()  # nobody listens: every token request is refused a connection
-        base_url = f"{vertex.url}/v1/projects/ecoscan-test/locations/europe-west4/endpoints/openapi"
-        deployments = [
-            listed("vertex", "gemini", "vertex_ai", base_url, "google/gemini-2.5-flash"),
-            listed(
-                "gemini-api",
-                "gemini",
-                "key",
-                f"{gemini.url}/v1beta/openai/",
-                "gemini-2.5-flash",
-                api_key_env="KEY_GEMINI_API",
-                priority=1,
-            ),
-        ]
+        deployments = vertex_before_an_api_key(vertex, gemini)
         async with routed_service(database_url, sim, monkeypatch, deployments) as svc:
             during = await scans_for(svc, 1.0, workers=2)
             ready = (await svc.client.get("/readyz")).json()
@@ -274,19 +279,7 @@ async def test_a_token_refused_at_the_probe_is_not_sent_again_by_the_next_probe(
         run_simulator(keyed) as gemini,
     ):
         google_service_account(issuer, tmp_path, monkeypatch)
-        base_url = f"{vertex.url}/v1/projects/ecoscan-test/locations/europe-west4/endpoints/openapi"
-        deployments = [
-            listed("vertex", "gemini", "vertex_ai", base_url, "google/gemini-2.5-flash"),
-            listed(
-                "gemini-api",
-                "gemini",
-                "key",
-                f"{gemini.url}/v1beta/openai/",
-                "gemini-2.5-flash",
-                api_key_env="KEY_GEMINI_API",
-                priority=1,
-            ),
-        ]
+        deployments = vertex_before_an_api_key(vertex, gemini)
         async with routed_service(database_url, sim, monkeypatch, deployments) as svc:
             during = await scans_for(svc, 0.5, workers=2)
             refused_probe = {"upstream": "vertex", "outcome": "failed"}
