@@ -16,7 +16,7 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from app.db.pool import DB_ERRORS
 from app.errors import EcoscanError, InvalidRequest, ScanNotFound, Unauthorized
-from app.http.errors import JsonErrorRoute
+from app.http.errors import JsonErrorRoute, ecoscan_error
 from app.http.openapi import operations as doc
 from app.intake.acceptance import RepeatedScan
 from app.resources import Resources
@@ -76,8 +76,9 @@ async def classify_completion(request: Request) -> Response:
         try:
             response = await _classify(request)
         except EcoscanError as exc:
-            span.set_attribute("http.response.status_code", exc.status)
-            raise
+            # Answered here, as the app's handler would: a refusal names its trace too.
+            tracing.failed(exc.code)
+            response = ecoscan_error(request, exc)
         span.set_attribute("http.response.status_code", response.status_code)
         if (trace_id := tracing.trace_id()) is not None:
             response.headers[TRACE_ID_HEADER] = trace_id
