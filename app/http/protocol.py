@@ -47,6 +47,8 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
         counting = self._in_head
         heads_before = self._heads_completed
         super().data_received(data)
+        if self._refused is not None and not self.transport.is_closing():
+            self._await_skipped_body()
         # Only a chunk that started inside a head and completed none counts: body bytes
         # that arrive with the end of a head (or whole small requests) are not head bytes.
         if not counting or self._heads_completed != heads_before or self.transport.is_closing():
@@ -87,6 +89,17 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
             self.on_response_complete()  # as uvicorn does once a response is sent: the keep-alive timer
         else:
             self.transport.close()
+
+    def _await_skipped_body(self) -> None:
+        """The body of a request answered early is still to come: it must keep coming, with
+        no gap over the keep-alive timeout (uvicorn's `--timeout-keep-alive`), or the
+        connection is closed. Nothing else bounds it: no app reads it, no response is
+        pending, so no keep-alive timer runs, and a client that stops sending would hold
+        its connection for as long as it likes."""
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
 
     def _refuse_early(self) -> bool:
         """A scan the loop pacer refuses, answered now (app/http/early_refusal.py)."""

@@ -1,0 +1,115 @@
+"""The HTTP protocol's early refusal (app/http/early_refusal.py) on a real uvicorn server
+and raw sockets, with an `EarlyRefusal` that refuses every scan: what happens to the
+connection of a refused scan whose body does not come."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+from app.http.early_refusal import STATE_KEY, EarlyRefusal
+from app.http.protocol import HttpToolsProtocol
+from app.http.routes import SCAN_PATH
+from app.limits.loop_pacer import WAVE, LoopBusy
+
+from .service_process import free_port
+
+KEEP_ALIVE_S = 1  # uvicorn's --timeout-keep-alive, for this server
+# A connection left idle is closed by then (the keep-alive timer's resolution is the loop's).
+CLOSED_WITHIN_S = KEEP_ALIVE_S + 3.0
+
+
+async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] == "lifespan":
+        await receive()
+        refuse = EarlyRefusal(lambda: LoopBusy(WAVE, retry_after_s=2.0), lambda _cpu_s: None)
+        scope["state"][STATE_KEY] = refuse
+        await send({"type": "lifespan.startup.complete"})
+        await receive()
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body = b"reached the app"
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"15")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.asynccontextmanager
+async def refusing_server() -> AsyncIterator[int]:
+    port = free_port()
+    config = uvicorn.Config(
+        _app,
+        host="127.0.0.1",
+        port=port,
+        http=HttpToolsProtocol,
+        lifespan="on",
+        timeout_keep_alive=KEEP_ALIVE_S,
+        log_level="warning",
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:  # noqa: ASYNC110 (uvicorn sets a flag, no event)
+            await asyncio.sleep(0.01)
+        yield port
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Whether the server closed the connection within `seconds` (the refusal read first)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), seconds)
+    assert head.startswith(b"HTTP/1.1 503 "), head
+    length = int(
+        next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))[15:]
+    )
+    await reader.readexactly(length)
+    try:
+        return await asyncio.wait_for(reader.read(), seconds) == b""
+    except TimeoutError:
+        return False
+
+
+async def test_a_refused_scan_whose_body_stalls_does_not_hold_its_connection() -> None:
+    """Refused early, a scan's body is skipped as it comes; one that stops coming (before
+    its first byte, or half way) is closed after the keep-alive timeout, as the app's own
+    refusal would leave it, not held open for as long as the client likes."""
+    head = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    async with refusing_server() as port:
+        for sent in (b"", b"x" * 5000):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(head % SCAN_PATH.encode() + sent)
+                started = time.monotonic()
+                assert await closed_within(reader, CLOSED_WITHIN_S), f"held open with {len(sent)} body bytes"
+                assert time.monotonic() - started < CLOSED_WITHIN_S
+            finally:
+                writer.close()
+
+
+async def test_a_refused_scan_whose_body_comes_keeps_its_connection() -> None:
+    """The whole body, slowly (each gap under the keep-alive timeout): skipped, the
+    connection kept for the next request."""
+    head = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: 3000\r\n\r\n" % SCAN_PATH.encode()
+    async with refusing_server() as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(head)
+            for _ in range(3):
+                await asyncio.sleep(KEEP_ALIVE_S * 0.6)
+                writer.write(b"y" * 1000)
+            writer.write(b"GET /next HTTP/1.1\r\nHost: t\r\n\r\n")
+            async with asyncio.timeout(CLOSED_WITHIN_S):
+                first = await reader.readuntil(b"\r\n\r\n")
+                assert first.startswith(b"HTTP/1.1 503 ")
+                await reader.readuntil(b"}")  # the refusal's JSON body
+                second = await reader.readuntil(b"\r\n\r\n")
+                assert second.startswith(b"HTTP/1.1 200 "), second
+                assert await reader.readexactly(15) == b"reached the app"
+        finally:
+            writer.close()
