@@ -7,7 +7,7 @@
 - **Scans the loop pacer refuses, answered here** (app/http/early_refusal.py): as soon
   as a scan's head is parsed, before an ASGI cycle, a task or anything of the app exists
   for it, with pre-built bytes; its body is skipped as the parser reads it, and the
-  connection kept.
+  connection kept (closed if the body stops coming for the keep-alive timeout).
 - **JSON error bodies** for rejections the application never sees (malformed
   request lines, bad `Content-Length`, control characters in headers): the same
   `{"detail", "code"}` shape as every other error, with code `BAD_HTTP_REQUEST`.
