@@ -40,6 +40,12 @@ async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 @contextlib.asynccontextmanager
 async def refusing_server() -> AsyncIterator[int]:
+    async with refusing_uvicorn() as (port, _server):
+        yield port
+
+
+@contextlib.asynccontextmanager
+async def refusing_uvicorn() -> AsyncIterator[tuple[int, uvicorn.Server]]:
     port = free_port()
     config = uvicorn.Config(
         _app,
@@ -55,7 +61,7 @@ async def refusing_server() -> AsyncIterator[int]:
     try:
         while not server.started:  # noqa: ASYNC110 (uvicorn sets a flag, no event)
             await asyncio.sleep(0.01)
-        yield port
+        yield port, server
     finally:
         server.should_exit = True
         await task
@@ -111,5 +117,40 @@ async def test_a_refused_scan_whose_body_comes_keeps_its_connection() -> None:
                 second = await reader.readuntil(b"\r\n\r\n")
                 assert second.startswith(b"HTTP/1.1 200 "), second
                 assert await reader.readexactly(15) == b"reached the app"
+        finally:
+            writer.close()
+
+
+# What a connection's unsent answers may hold while its client reads none: about one read's
+# worth of requests (asyncio reads up to 256 KiB at once), each answered in ~4 times its size.
+ANSWERS_HELD_MAX_BYTES = 3 * 1024 * 1024
+
+
+async def test_a_client_that_reads_no_answers_cannot_fill_the_servers_memory_with_them() -> None:
+    """Pipelined scans refused early, sent without reading a single answer: each answer is
+    bigger than its request, and uvicorn's own path stops reading a connection whose
+    answers are not taken; refusals answered here must too, or a client that never reads
+    makes the server buffer four bytes for each one it sends. All of them are answered once
+    the client reads."""
+    request = b"POST %s HTTP/1.1\r\nHost: t\r\n\r\n" % SCAN_PATH.encode()
+    count = 4 * 1024 * 1024 // len(request)
+    async with refusing_uvicorn() as (port, server):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1024 * 1024)
+        try:
+            writer.write(request * count)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(writer.drain(), 2.0)  # as far as the server reads them
+            await asyncio.sleep(0.5)
+            held = sum(c.transport.get_write_buffer_size() for c in server.server_state.connections)
+            assert held < ANSWERS_HELD_MAX_BYTES, f"{held} bytes of answers held for a client that reads none"
+            answered = 0
+            async with asyncio.timeout(60):
+                while answered < count:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    assert head.startswith(b"HTTP/1.1 503 "), head
+                    await reader.readuntil(b"}")
+                    answered += 1
+                    if answered % 1000 == 0:
+                        await writer.drain()
         finally:
             writer.close()
