@@ -123,7 +123,7 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
         head = [line, *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)]
         head.append(fields if keep_alive else fields + b"connection: close\r\n")
         self.transport.write(b"".join(head) + b"\r\n" + body)
-        if self.flow.write_paused and not self._reads_held:
+        if self.flow.write_paused:  # (again, if an app's response resumed reading meanwhile)
             # The client takes no answers: read none of its requests until it does, as
             # uvicorn does for pipelined requests (an answer is bigger than its request).
             self._reads_held = True
