@@ -33,6 +33,8 @@ async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await receive()
         await send({"type": "lifespan.shutdown.complete"})
         return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(0.3)
     body = b"reached the app"
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"15")]})
     await send({"type": "http.response.body", "body": body})
@@ -154,3 +156,63 @@ async def test_a_client_that_reads_no_answers_cannot_fill_the_servers_memory_wit
                         await writer.drain()
         finally:
             writer.close()
+
+
+async def test_chunked_bodies_http_1_0_and_expect_100_continue() -> None:
+    """A chunked body is skipped to its last chunk and the connection serves the next
+    request; HTTP/1.0 is answered `connection: close` and closed once its body is read; a
+    scan that waits for `100 Continue` goes on to the app (which asks the pacer itself)."""
+    path = SCAN_PATH.encode()
+    chunked = b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" % path
+    chunked += b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    async with refusing_server() as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(chunked + b"GET /next HTTP/1.1\r\nHost: t\r\n\r\n")
+            async with asyncio.timeout(CLOSED_WITHIN_S):
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 503 ")
+                await reader.readuntil(b"}")
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+        finally:
+            writer.close()
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST %s HTTP/1.0\r\nContent-Length: 4\r\n\r\nbody" % path)
+            async with asyncio.timeout(CLOSED_WITHIN_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head.lower()
+                await reader.readuntil(b"}")
+                assert await reader.read() == b""
+        finally:
+            writer.close()
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                b"POST %s HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n" % path
+            )
+            async with asyncio.timeout(CLOSED_WITHIN_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200 "), head  # the app answered it, not the protocol
+        finally:
+            writer.close()
+
+
+async def test_a_scan_pipelined_behind_a_response_still_going_out_is_answered_in_order() -> None:
+    """Answers go in the order of the requests: a scan pipelined behind one the app is
+    still answering is not refused ahead of it (it reaches the app, in its turn)."""
+    scan = b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\n{}" % SCAN_PATH.encode()
+    async with refusing_server() as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n" + scan + scan)
+            async with asyncio.timeout(CLOSED_WITHIN_S):
+                statuses = []
+                for _ in range(3):
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    statuses.append(int(head.split()[1]))
+                    await (reader.readexactly(15) if statuses[-1] == 200 else reader.readuntil(b"}"))
+        finally:
+            writer.close()
+    assert statuses[:2] == [200, 200], statuses  # the slow one, then the scan behind it, by the app
