@@ -70,9 +70,11 @@ def resources(request: Request) -> Resources:
     openapi_extra=doc.SCAN_OPENAPI_EXTRA,
 )
 async def classify_completion(request: Request) -> Response:
-    # The request's span (tracing on): the client's `traceparent` its parent, the scan its child.
-    parent = request.headers if "traceparent" in request.headers else None
-    with tracing.span(SCAN_SPAN_NAME, SCAN_SPAN, server=True, parent=parent) as span:
+    # The request's span (tracing on): the client's `traceparent` its parent, the scan its
+    # child. Without one, a root, never the current context's span: a connection's reads
+    # can run in the context of the last request on it (asyncio resumes a transport's
+    # reading in the context of the task that resumed it), so it may hold that one's span.
+    with tracing.span(SCAN_SPAN_NAME, SCAN_SPAN, server=True, parent=request.headers) as span:
         try:
             response = await _classify(request)
         except EcoscanError as exc:
