@@ -281,3 +281,78 @@ def test_off_unless_the_environment_configures_an_exporter_and_then_nothing_is_i
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+async def test_a_keep_alive_connection_does_not_carry_one_scans_trace_into_the_next(
+    database_url: str, sim: RunningSimulator, tmp_path: Path
+) -> None:
+    """A request without `traceparent` starts a trace of its own, whatever came before it on
+    its connection. On the asyncio loop a transport's callbacks run in the context of
+    whoever last resumed its reading: after a big body (over uvicorn's 64 KiB high water)
+    that can be the last request's task inside its span, and the next request's task
+    starts from there; the next scan then became a child of the last one (in about one
+    round in ten here: ten rounds)."""
+    photo = data_url(make_jpeg(73))
+    big = '{"image_url": "' + photo + '"' + " " * 400_000 + "}"
+    async with otlp_receiver() as (endpoint, received):
+        # The asyncio loop (uvloop runs a transport's callbacks in the context it was made in).
+        env = service_env(database_url, sim, **otel_env(endpoint), UVICORN_LOOP="asyncio")
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        async with (
+            service_process(env, tmp_path / "svc.log") as svc,
+            httpx.AsyncClient(base_url=svc.url, timeout=30, limits=limits) as client,
+        ):
+            for round_ in range(10):  # all on one connection: the pool holds one
+                header, trace_id, _ = traceparent()
+                headers = {"traceparent": header, "content-type": "application/json"}
+                first = await run_scan(client, content=big, headers=headers)
+                assert first.terminal.event == "done", first.events
+                assert first.headers["x-trace-id"] == trace_id
+                after = await run_scan(client, json={"image_url": data_url(make_jpeg(74 + round_))})
+                assert after.terminal.event == "done", after.events
+                assert after.headers["x-trace-id"] != trace_id, f"round {round_}: the last scan's trace"
+                assert after.terminal.data["trace_id"] == after.headers["x-trace-id"]
+            (request,) = await received.wait_for(after.headers["x-trace-id"], SCAN_REQUEST)
+    assert request.parent_span_id == b""  # a root: no client parent, and none inherited
+
+
+SCAN_REQUEST = "POST /api/v1/scan/classify/completion"
+
+
+async def test_refusals_and_junk_traceparents_name_their_trace_too(
+    database_url: str, sim: RunningSimulator, tmp_path: Path
+) -> None:
+    """An error response names the request's trace as a scan's does (its span, with the
+    refusal's code, is exported); a `traceparent` that is not one starts a new trace and
+    never fails the request."""
+    header, trace_id, parent_id = traceparent()
+    async with otlp_receiver() as (endpoint, received):
+        env = service_env(database_url, sim, **otel_env(endpoint))
+        async with (
+            service_process(env, tmp_path / "svc.log") as svc,
+            httpx.AsyncClient(base_url=svc.url, timeout=30) as client,
+        ):
+            refused = await run_scan(client, json={"user_input": "no image"}, headers={"traceparent": header})
+            assert refused.status == 400, refused.body
+            assert refused.headers.get("x-trace-id") == trace_id, refused.headers
+            (span,) = await received.wait_for(trace_id, SCAN_REQUEST)
+            assert span.parent_span_id.hex() == parent_id
+            assert attributes(span)["http.response.status_code"] == 400
+            assert attributes(span)["error.type"] == refused.body["code"]
+            junk = [
+                "00-" + "0" * 32 + "-" + "1" * 16 + "-01",  # an invalid (all-zero) trace id
+                "ff-" + "a" * 32 + "-" + "b" * 16 + "-01",  # the forbidden version
+                "00-" + "A" * 32 + "-" + "b" * 16 + "-01",  # upper case
+                "00-" + "a" * 32 + "-" + "b" * 16 + "-01-more",  # version 00 with more
+                "not a traceparent \u00e9",
+            ]
+            for value in junk:
+                photo = data_url(make_jpeg(90 + len(value)))
+                headers = {
+                    "traceparent": value.encode("latin-1"),
+                    "tracestate": "=,\u00e9=\u00e9".encode("latin-1"),
+                }
+                outcome = await run_scan(client, json={"image_url": photo}, headers=headers)
+                assert outcome.terminal.event == "done", (value, outcome.events)
+                new = outcome.headers["x-trace-id"]
+                assert re.fullmatch(r"[0-9a-f]{32}", new) and new not in value.lower(), value

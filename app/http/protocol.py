@@ -7,7 +7,7 @@
 - **Scans the loop pacer refuses, answered here** (app/http/early_refusal.py): as soon
   as a scan's head is parsed, before an ASGI cycle, a task or anything of the app exists
   for it, with pre-built bytes; its body is skipped as the parser reads it, and the
-  connection kept.
+  connection kept (closed if the body stops coming for the keep-alive timeout).
 - **JSON error bodies** for rejections the application never sees (malformed
   request lines, bad `Content-Length`, control characters in headers): the same
   `{"detail", "code"}` shape as every other error, with code `BAD_HTTP_REQUEST`.
@@ -42,11 +42,14 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
         self._head_bytes = 0
         self._heads_completed = 0
         self._refused: bool | None = None  # a request answered early: None, or whether to keep the connection
+        self._reads_held = False  # reading paused until the client takes the answers given early
 
     def data_received(self, data: bytes) -> None:
         counting = self._in_head
         heads_before = self._heads_completed
         super().data_received(data)
+        if self._refused is not None and not self._reads_held and not self.transport.is_closing():
+            self._arm_keep_alive()  # the skipped body must keep coming
         # Only a chunk that started inside a head and completed none counts: body bytes
         # that arrive with the end of a head (or whole small requests) are not head bytes.
         if not counting or self._heads_completed != heads_before or self.transport.is_closing():
@@ -85,8 +88,22 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
         keep_alive, self._refused = self._refused, None
         if keep_alive:
             self.on_response_complete()  # as uvicorn does once a response is sent: the keep-alive timer
+            if self._reads_held:  # ...which resumed reading: not while the client takes no answers
+                self.flow.pause_reading()
+                self._unset_keepalive_if_required()
         else:
             self.transport.close()
+
+    def _arm_keep_alive(self) -> None:
+        """uvicorn's keep-alive timer (`--timeout-keep-alive`), (re)started. Also while the
+        body of a request answered early is still to come: it must keep coming, with no gap
+        over the timeout, or the connection is closed. Nothing else bounds it: no app reads
+        it, no response is pending, so no keep-alive timer runs, and a client that stops
+        sending would hold its connection for as long as it likes."""
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
 
     def _refuse_early(self) -> bool:
         """A scan the loop pacer refuses, answered now (app/http/early_refusal.py)."""
@@ -106,6 +123,11 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
         head = [line, *(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)]
         head.append(fields if keep_alive else fields + b"connection: close\r\n")
         self.transport.write(b"".join(head) + b"\r\n" + body)
+        if self.flow.write_paused:  # (again, if an app's response resumed reading meanwhile)
+            # The client takes no answers: read none of its requests until it does, as
+            # uvicorn does for pipelined requests (an answer is bigger than its request).
+            self._reads_held = True
+            self.flow.pause_reading()
         self._refused = keep_alive
         refusal.charge(time.thread_time() - cpu_at)
         if self.access_log:
@@ -114,6 +136,17 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
                 '%s - "POST %s HTTP/%s" %s', get_client_addr(self.scope), url, version, line[9:12].decode()
             )
         return True
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if not self._reads_held:
+            return
+        self._reads_held = False
+        if not self.pipeline:  # else the next response to go resumes reading
+            self.flow.resume_reading()
+        idle = self.cycle is None or self.cycle.response_complete
+        if (self._refused is not None or idle) and not self.transport.is_closing():
+            self._arm_keep_alive()  # held, the timer was not running
 
     def send_400_response(self, msg: str) -> None:
         self._send_json_error(HTTPStatus.BAD_REQUEST, "BAD_HTTP_REQUEST", msg)

@@ -16,7 +16,7 @@ from starlette.convertors import Convertor, register_url_convertor
 
 from app.db.pool import DB_ERRORS
 from app.errors import EcoscanError, InvalidRequest, ScanNotFound, Unauthorized
-from app.http.errors import JsonErrorRoute
+from app.http.errors import JsonErrorRoute, ecoscan_error
 from app.http.openapi import operations as doc
 from app.intake.acceptance import RepeatedScan
 from app.resources import Resources
@@ -70,14 +70,17 @@ def resources(request: Request) -> Resources:
     openapi_extra=doc.SCAN_OPENAPI_EXTRA,
 )
 async def classify_completion(request: Request) -> Response:
-    # The request's span (tracing on): the client's `traceparent` its parent, the scan its child.
-    parent = request.headers if "traceparent" in request.headers else None
-    with tracing.span(SCAN_SPAN_NAME, SCAN_SPAN, server=True, parent=parent) as span:
+    # The request's span (tracing on): the client's `traceparent` its parent, the scan its
+    # child. Without one, a root, never the current context's span: a connection's reads
+    # can run in the context of the last request on it (asyncio resumes a transport's
+    # reading in the context of the task that resumed it), so it may hold that one's span.
+    with tracing.span(SCAN_SPAN_NAME, SCAN_SPAN, server=True, parent=request.headers) as span:
         try:
             response = await _classify(request)
         except EcoscanError as exc:
-            span.set_attribute("http.response.status_code", exc.status)
-            raise
+            # Answered here, as the app's handler would: a refusal names its trace too.
+            tracing.failed(exc.code)
+            response = ecoscan_error(request, exc)
         span.set_attribute("http.response.status_code", response.status_code)
         if (trace_id := tracing.trace_id()) is not None:
             response.headers[TRACE_ID_HEADER] = trace_id

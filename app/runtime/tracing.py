@@ -130,7 +130,8 @@ def span(
     parent: str | Mapping[str, str] | None = None,
 ) -> contextlib.AbstractContextManager[SpanLike]:
     """A span around a block, the current one's child (or `parent`'s: a W3C `traceparent`,
-    or headers holding one); an exception leaving the block marks it failed (`error.type`).
+    or headers holding one; headers holding none, or no valid one: a root); an exception
+    leaving the block marks it failed (`error.type`).
     Inside a trace that is not sampled, nothing: its children would not be sampled either
     (every sampler the SDK has decides alike for a trace), and its id is the parent's."""
     otel = _otel
