@@ -9,6 +9,7 @@ attempt."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import time
@@ -20,6 +21,7 @@ import asyncpg
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse
 
+from app.scans.handover import Handover
 from app.sim.server import RunningSimulator
 
 from .conftest import SCAN_URL, Event, data_url, make_jpeg, run_scan, scan_row, sim_configure, sim_stats
@@ -301,3 +303,25 @@ async def test_a_scan_with_no_time_left_ends_process_lost_for_its_follower(
     assert stored[-1][0] == int(terminal.id) and stored[-1][4]["code"] == "PROCESS_LOST"
     # No run was started for it: the answer the owner died in is the only text call.
     assert (await sim_stats(sim))["by_kind"] == {"vision": 1, "text": 1}
+
+
+def test_an_untraced_handover_record_is_one_the_version_before_traces_can_read() -> None:
+    """Mid-rollout, a replica of the version before traces takes over scans of the new one:
+    its `Handover` has no `traceparent` field and refuses a record with unknown keys."""
+    untraced = Handover(
+        source="url",
+        image_url="https://example.com/a.jpg",
+        image=None,
+        user_input=None,
+        user_id="u",
+        rate_key="u:u",
+        token_sha256=None,
+        retry_of=None,
+        timings={},
+        received_at=1.0,
+        deadline_at=2.0,
+    )
+    assert "traceparent" not in json.loads(untraced.encode())
+    assert Handover.decode(untraced.encode()) == untraced
+    traced = dataclasses.replace(untraced, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    assert Handover.decode(traced.encode()) == traced

@@ -75,7 +75,12 @@ class Handover:
         )
 
     def encode(self) -> bytes:
-        return orjson.dumps(self.__dict__)
+        # An untraced scan's record carries no `traceparent` key: a replica of the version
+        # before traces (mid-rollout) reads the record and can still take the scan over.
+        fields = self.__dict__
+        if self.traceparent is None:
+            fields = {k: v for k, v in fields.items() if k != "traceparent"}
+        return orjson.dumps(fields)
 
     @classmethod
     def decode(cls, raw: bytes) -> Handover | None:
