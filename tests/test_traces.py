@@ -20,6 +20,7 @@ from typing import Any
 
 import asyncpg
 import httpx
+import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -281,6 +282,19 @@ def test_off_unless_the_environment_configures_an_exporter_and_then_nothing_is_i
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_traces_asked_for_without_the_sdk_installed_stop_the_start_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from app.runtime import tracing
+    from app.runtime.metrics import Metrics
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    with pytest.raises(tracing.TracingUnavailable, match=re.escape("pip install 'ecoscan[otel]'")):
+        tracing.start(Metrics(process=False))
+    assert tracing.trace_id() is None  # still off
 
 
 async def test_a_keep_alive_connection_does_not_carry_one_scans_trace_into_the_next(

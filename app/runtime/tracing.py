@@ -96,6 +96,10 @@ _otel: _Otel | None = None
 _user_ids = False
 
 
+class TracingUnavailable(RuntimeError):
+    """OTEL_* asks for traces in a build without the trace SDK: the start stops, naming the extra."""
+
+
 def configured(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether the environment asks for traces, as the SDK reads it."""
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
@@ -249,7 +253,12 @@ def start(metrics: Metrics, *, user_ids: bool = False) -> Callable[[], Awaitable
     )
     if protocol.strip() != "http/protobuf":
         log.warning("traces: OTLP protocol %r is not supported; exporting http/protobuf", protocol)
-    provider = _provider(metrics)
+    try:
+        provider = _provider(metrics)
+    except ImportError as exc:  # configured for traces, built without them: say what is missing
+        raise TracingUnavailable(
+            f"OTEL_* asks for traces but the trace SDK is not installed (pip install 'ecoscan[otel]'): {exc}"
+        ) from None
     _otel, _user_ids = _Otel(provider.get_tracer("ecoscan")), user_ids
 
     async def close() -> None:
