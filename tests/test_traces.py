@@ -370,3 +370,10 @@ async def test_refusals_and_junk_traceparents_name_their_trace_too(
                 assert outcome.terminal.event == "done", (value, outcome.events)
                 new = outcome.headers["x-trace-id"]
                 assert re.fullmatch(r"[0-9a-f]{32}", new) and new not in value.lower(), value
+            # A valid traceparent with a tracestate that is not one: the SDK's warning of it
+            # (the client's text, a line per request any client can ask for) stays out of the log.
+            valid, _, _ = traceparent()
+            headers = {"traceparent": valid.encode(), "tracestate": b"bad key=x"}
+            outcome = await run_scan(client, json={"image_url": data_url(make_jpeg(99))}, headers=headers)
+            assert outcome.terminal.event == "done", outcome.events
+        assert "bad key" not in (tmp_path / "svc.log").read_text(errors="replace")

@@ -253,6 +253,9 @@ def start(metrics: Metrics, *, user_ids: bool = False) -> Callable[[], Awaitable
     )
     if protocol.strip() != "http/protobuf":
         log.warning("traces: OTLP protocol %r is not supported; exporting http/protobuf", protocol)
+    # The SDK warns, with the client's own text, of each invalid `tracestate` it is sent:
+    # a log line per request that any client can ask for. The header is ignored all the same.
+    logging.getLogger("opentelemetry.trace.span").setLevel(logging.ERROR)
     try:
         provider = _provider(metrics)
     except ImportError as exc:  # configured for traces, built without them: say what is missing
