@@ -19,94 +19,50 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import secrets
 import statistics
-import sys
-import time
-from pathlib import Path
+from collections.abc import Awaitable
 from typing import Any
 
-import asyncpg
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from app.sim.config import SimConfig  # noqa: E402
-from app.sim.server import run_simulator  # noqa: E402
-from tests.conftest import data_url, make_jpeg, run_scan, running_service, settings_for  # noqa: E402
+from app.sim.config import SimConfig
+from app.sim.server import run_simulator
+from in_process import closed_loop, service_over
+from tests.conftest import ScanOutcome, data_url, make_jpeg, run_scan
 
 DEPLOYMENTS = ("org-a", "org-b")
 
 
 async def one_run(args: argparse.Namespace, affinity: bool) -> dict[str, Any]:
-    name = f"ecoscan_affinity_bench_{secrets.token_hex(3)}"
-    admin = await asyncpg.connect(args.database_url)
-    await admin.execute(f'CREATE DATABASE "{name}"')
-    await admin.close()
     config = SimConfig(time_scale=args.time_scale, rpm=100_000, tpm=100_000_000)
-    try:
-        async with run_simulator(config) as a, run_simulator(config) as b:
-            listed = [
-                {
-                    "name": label,
-                    "provider": "openai",
-                    "base_url": s.base_url,
-                    "api_key_env": "AFFINITY_BENCH_KEY",
-                    "vision_model": "gpt-4o-mini",  # the defaults: a photo is 2,833 tokens at `low`
-                    "answer_model": "gpt-4o-mini",
-                    "rpm": 100_000,
-                    "tpm": 100_000_000,
-                }
-                for label, s in zip(DEPLOYMENTS, (a, b), strict=True)
-            ]
-            settings = settings_for(
-                args.database_url.rsplit("/", 1)[0] + "/" + name,
-                a,
-                openai_api_key=None,
-                openai_base_url=None,
-                upstreams=json.dumps(listed),
-                vision_cache_entries=0,
-                answer_cache_entries=0,
-                max_inflight_per_user=1000,
-                upstream_cache_affinity=affinity,
-                log_level="ERROR",
+    async with (
+        run_simulator(config) as a,
+        run_simulator(config) as b,
+        service_over(
+            args.database_url,
+            "ecoscan_affinity_bench",
+            dict(zip(DEPLOYMENTS, (a, b), strict=True)),
+            upstream_cache_affinity=affinity,
+        ) as svc,
+    ):
+        photos = [data_url(make_jpeg(seed)) for seed in range(args.photos)]
+        queue = [(p, r) for p in range(args.photos) for r in range(args.repeats)]
+        random.Random(args.seed).shuffle(queue)
+
+        def scan(item: tuple[int, int]) -> Awaitable[ScanOutcome]:
+            photo, repeat = item
+            note = f"scan {repeat} of this photo: which bin?"
+            return run_scan(svc.client, json={"image_url": photos[photo], "user_input": note})
+
+        took, failed = await closed_loop(args.users, queue, scan)
+        tokens = {
+            (stage, upstream, kind): svc.metric(
+                "ecoscan_upstream_prompt_tokens_total",
+                {"upstream": upstream, "stage": stage, "kind": kind},
             )
-            async with running_service(settings) as svc:
-                photos = [data_url(make_jpeg(seed)) for seed in range(args.photos)]
-                queue = [(p, r) for p in range(args.photos) for r in range(args.repeats)]
-                random.Random(args.seed).shuffle(queue)
-                took: list[float] = []
-                failed: dict[str, int] = {}
-
-                async def user() -> None:
-                    while queue:
-                        photo, repeat = queue.pop()
-                        note = f"scan {repeat} of this photo: which bin?"
-                        started = time.monotonic()
-                        outcome = await run_scan(
-                            svc.client, json={"image_url": photos[photo], "user_input": note}
-                        )
-                        took.append(time.monotonic() - started)
-                        if outcome.terminal.event != "done":
-                            code = outcome.terminal.data.get("code", "?")
-                            failed[code] = failed.get(code, 0) + 1
-
-                await asyncio.gather(*(user() for _ in range(args.users)))
-                tokens = {
-                    (stage, upstream, kind): svc.metric(
-                        "ecoscan_upstream_prompt_tokens_total",
-                        {"upstream": upstream, "stage": stage, "kind": kind},
-                    )
-                    for stage in ("vision", "answer")
-                    for upstream in DEPLOYMENTS
-                    for kind in ("prompt", "cached")
-                }
-    finally:
-        admin = await asyncpg.connect(args.database_url)
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
+            for stage in ("vision", "answer")
+            for upstream in DEPLOYMENTS
+            for kind in ("prompt", "cached")
+        }
     return {
         "affinity": affinity,
         "scans": len(took),
@@ -140,7 +96,6 @@ async def main() -> None:
     p.add_argument("--seed", type=int, default=35, help="the scans' order")
     p.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
     args = p.parse_args()
-    os.environ["AFFINITY_BENCH_KEY"] = "sk-bench"
     for affinity in (False, True):
         print(json.dumps(await one_run(args, affinity)), flush=True)
 
