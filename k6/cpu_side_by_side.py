@@ -52,12 +52,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SETTINGS = {**RECIPE_SETTINGS, **CACHES_OFF, "OPENAI_RPM": SERVICE_RPM, "OPENAI_TPM": SERVICE_TPM}
 # --defaults: only what the load needs (a budget that never binds, caches off, k6's users
-# each under the per-user cap); every limit at its default, sized by the process.
+# each under the per-user cap, and all of them, from one address, under the per-client cap
+# on bodies being received: a wave of 3,000 uploads from 127.0.0.1 is not one client's
+# flood); every limit at its default, sized by the process.
 DEFAULTS = {
     **CACHES_OFF,
     "OPENAI_RPM": SERVICE_RPM,
     "OPENAI_TPM": SERVICE_TPM,
     "MAX_INFLIGHT_PER_USER": "100",
+    "BODY_BUFFER_MAX_BYTES_PER_CLIENT": str(256 * 1024 * 1024),
 }
 START_TIMEOUT_S = 90.0
 WARMUP = ("2", "5s")  # users, duration: the first scans' one-off costs stay out of the run

@@ -28,7 +28,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 from cpu_per_scan import ANSWER_TOKENS
@@ -50,6 +52,16 @@ from sweep.sampler import Sampler
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRAPE_EVERY_S = 1.0
+# A neighbour on the box: busy its duty (argv[1]) of every 0.1 s, asleep the rest.
+NEIGHBOUR = """
+import sys, time
+duty = float(sys.argv[1])
+while True:
+    end = time.perf_counter() + duty * 0.1
+    while time.perf_counter() < end:
+        pass
+    time.sleep((1 - duty) * 0.1)
+"""
 AFTER_SCRAPE_TRIES = 6
 
 
@@ -61,6 +73,7 @@ class Watcher(threading.Thread):
         self.url = url
         self.in_flight: list[float] = []
         self.limits: list[dict[str, float]] = []
+        self.series: list[dict[str, float]] = []  # a row a second, written next to the report
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -69,6 +82,19 @@ class Watcher(threading.Thread):
             if samples:
                 self.in_flight.append(total(samples, "ecoscan_admission_slots_in_use"))
                 self.limits.append({lab["limit"]: v for lab, v in samples.get("ecoscan_limit", [])})
+                self.series.append(
+                    {
+                        "t": time.monotonic(),
+                        "in_flight": self.in_flight[-1],
+                        "utilisation": total(samples, "ecoscan_loop_utilisation"),
+                        "lag_max_s": total(samples, "ecoscan_event_loop_lag_max_seconds"),
+                        "lags_over_250ms": total(samples, f"{LOOP_LAG}_count")
+                        - total(samples, f"{LOOP_LAG}_bucket", le="0.25"),
+                        "completed": total(samples, "ecoscan_scans_total", outcome="completed"),
+                        "refused": total(samples, "ecoscan_scans_total", outcome="rejected"),
+                        **self.limits[-1],
+                    }
+                )
 
     def stop(self) -> None:
         self._halt.set()
@@ -94,6 +120,14 @@ def main() -> int:
         help="niceness of the simulator and k6, which stand for other machines: the service "
         "measured gets the CPU first (0: they compete on equal terms)",
     )
+    p.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        help="processes that burn CPU during the measured run, each --neighbour-duty of the time "
+        "(not niced): the box a service shares with others, reproducibly",
+    )
+    p.add_argument("--neighbour-duty", type=float, default=0.6)
     p.add_argument("--out", type=Path, default=ROOT / "k6" / "results" / "scale-bench")
     p.add_argument(
         "--database-url",
@@ -147,6 +181,10 @@ def run_point(
         watcher = Watcher(url)
         sampler.start()
         watcher.start()
+        neighbours = [
+            subprocess.Popen([venv_python(), "-c", NEIGHBOUR, str(args.neighbour_duty)])
+            for _ in range(args.neighbours)
+        ]
         try:
             measured = {**k6_env, "VUS": str(args.vus), "DURATION": args.duration}
             measured["SUMMARY_JSON"] = str(out / "k6.json")
@@ -161,6 +199,9 @@ def run_point(
                 on_start=lambda pid: os.setpriority(os.PRIO_PROCESS, pid, args.nice),
             )
         finally:
+            for neighbour in neighbours:
+                neighbour.kill()
+                neighbour.wait()
             watcher.stop()
             used = sampler.stop()
         after = {}
@@ -184,6 +225,9 @@ def report(  # type: ignore[no-untyped-def]
     used = used["service"]
     window = Window(before, after)
     k6_done = k6_metrics.get("scan_completed", {}).get("values", {}).get("count", 0)
+    # Answers that were neither a stream nor a refusal, or none at all (a reset, a broken
+    # pipe: the service counts none of those).
+    k6_lost = k6_metrics.get("scan_http_errors", {}).get("values", {}).get("count", 0)
     if after:
         completed = window.delta("ecoscan_scans_total", outcome="completed")
         failed = {
@@ -202,10 +246,12 @@ def report(  # type: ignore[no-untyped-def]
     rss = [mb for _, mb in sampler.samples["service"]]
     in_flight = watcher.in_flight
     lines = [
-        f"app {app}, {args.vus} users, {args.duration}, sim time scale {args.sim_time_scale}",
+        f"app {app}, {args.vus} users, {args.duration}, sim time scale {args.sim_time_scale}, "
+        f"{args.neighbours} neighbours at {args.neighbour_duty}",
         f"completed scans/s: {completed / duration_s:.2f} ({completed:.0f} scans; k6 saw {k6_done:.0f})",
         f"failed: {sum(failures.values()):.0f} {failures}",
         f"refused: {sum(rejected.values()):.0f} { {code: n for code, n in rejected.items() if n > 0} }",
+        f"k6 HTTP errors (no answer, or not a refusal): {k6_lost:.0f}",
         f"CPU per completed scan: {1000 * used['cpu_s'] / completed:.2f} ms" if completed else "CPU: n/a",
     ]
     if in_flight:
@@ -232,6 +278,8 @@ def report(  # type: ignore[no-untyped-def]
         last = watcher.limits[-1]
         peak = {k: max(lim.get(k, 0) for lim in watcher.limits) for k in last}
         lines.append(f"limits at the end: {last}; peak: {peak}")
+    with (out / "series.jsonl").open("w") as series:
+        series.writelines(json.dumps(row) + "\n" for row in watcher.series)
     text = "\n".join(lines)
     print(text)
     (out / "report.txt").write_text(text + "\n")
