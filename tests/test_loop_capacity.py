@@ -1,12 +1,14 @@
-"""Admission that knows the event loop's capacity: the utilisation signal and the rate it
-gives (as a unit, fed readings), the pacer's bounded queue, and over real HTTP a service
-whose loop a test-only burner keeps busy: it sheds new scans with SERVER_BUSY before their
-body is read while the scans it accepted complete."""
+"""Admission that knows the event loop's capacity: the utilisation signal, the rate it
+spreads waves at and the ceiling on the scans in flight (as a unit, fed readings), the
+pacer's bounded queue and its refusals at the ceiling, and over real HTTP a service whose
+loop a test-only burner keeps busy: it sheds new scans with SERVER_BUSY before their body
+is read while the scans it accepted complete."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -15,11 +17,20 @@ from typing import Any
 
 import pytest
 
-from app.limits.loop_capacity import MIN_RATE, PRIOR_CPU_PER_SCAN_S, SAMPLE_INTERVAL_S, LoopCapacity
+from app.limits.loop_capacity import (
+    CEILING_CUT_MIN,
+    CEILING_GROWTH,
+    MIN_CEILING,
+    PRIOR_CPU_PER_SCAN_S,
+    SAMPLE_INTERVAL_S,
+    WAVE_FACTOR,
+    LoopCapacity,
+)
 from app.limits.loop_pacer import BURST_S, QUEUE_S, SATURATED, WAVE, LoopBusy, LoopPacer
-from app.sim.server import RunningSimulator
+from app.sim.server import run_simulator
 
 from .conftest import (
+    BASE_SIM,
     SCAN_URL,
     Service,
     data_url,
@@ -31,13 +42,27 @@ from .conftest import (
 
 # How long the loop-capacity signal may take to follow the burner: it samples twice a second.
 FOLLOW_WITHIN_S = 30.0
+# A low target, so that the burner's load is a sustained saturation within seconds.
+PACED = {"loop_utilisation_target": 0.3, "loop_pacing": True}
+# The simulator's time scale for scans of a few seconds (BASE_SIM's take milliseconds).
+SLOW_SIM = 0.3
+# The admission's cap on the scans in flight, in the units.
+MAX_IN_FLIGHT = 5000
 
 
 class Loop:
     """Readings of a loop thread, fed to a `LoopCapacity` every `SAMPLE_INTERVAL_S`."""
 
-    def __init__(self, target: float = 0.8) -> None:
-        self.capacity = LoopCapacity(target=target, admitted=lambda: 0)
+    def __init__(
+        self, target: float = 0.8, *, in_flight: int = 0, max_in_flight: int = MAX_IN_FLIGHT
+    ) -> None:
+        self.in_flight = in_flight
+        self.capacity = LoopCapacity(
+            target=target,
+            admitted=lambda: 0,
+            in_flight=lambda: self.in_flight,
+            max_in_flight=lambda: max_in_flight,
+        )
         self.now = self.cpu = self.wait = 0.0
         self.admitted = 0
         self.capacity.sample(0.0, 0.0, 0.0, 0)
@@ -78,14 +103,16 @@ def test_saturation_has_hysteresis() -> None:
     assert not loop.run(20, busy=0.75).saturated  # back up, not to the target
 
 
-def test_the_rate_adds_what_the_headroom_takes_at_the_measured_cpu_per_scan() -> None:
+def test_waves_are_spread_at_twice_what_the_loop_sustains_at_its_target() -> None:
     loop = Loop(0.8)
-    assert loop.capacity.rate == pytest.approx(0.8 / PRIOR_CPU_PER_SCAN_S)
+    assert loop.capacity.rate == pytest.approx(WAVE_FACTOR * 0.8 / PRIOR_CPU_PER_SCAN_S)
     cap = loop.run(300, busy=0.4, scans_per_s=100)  # 4 ms a scan: the loop 40 % busy
     assert cap.cpu_per_scan_s == pytest.approx(0.004, rel=0.01)
-    # 100 a second now, and 0.4 of a second's CPU left under the target at 4 ms each.
-    assert cap.rate == pytest.approx(100 + 0.4 / 0.004, rel=0.02)
+    # At its target the loop sustains 0.8 / 4 ms = 200 scans a second.
+    assert cap.rate == pytest.approx(WAVE_FACTOR * 200, rel=0.02)
     assert cap.reason == "cpu"
+    cap = loop.run(60, busy=0.3, waiting=0.3, scans_per_s=100)  # half the time waiting for a core
+    assert cap.rate == pytest.approx(WAVE_FACTOR * 0.8 * 0.5 / cap.cpu_per_scan_s, rel=0.02)
 
 
 def test_what_refusals_cost_is_not_charged_to_the_scans() -> None:
@@ -93,18 +120,51 @@ def test_what_refusals_cost_is_not_charged_to_the_scans() -> None:
     assert cap.cpu_per_scan_s == pytest.approx(0.002, rel=0.01)
 
 
-def test_a_saturated_loop_aims_under_its_target_and_slows_admission_gradually() -> None:
-    loop = Loop(0.8)
-    loop.run(300, busy=0.6, scans_per_s=20)  # 30 ms a scan
-    cap = loop.run(10, busy=0.9, scans_per_s=20)  # something else takes the loop as well
-    assert cap.saturated and cap.reason == "saturated"
-    assert cap.rate == pytest.approx(cap.scans_per_s + (0.7 - cap.utilisation) / cap.cpu_per_scan_s)
-    assert 10 < cap.rate < 20  # fewer than lately, not none: the scans admitted still run
+def test_a_wave_of_completions_does_not_cut_the_ceiling() -> None:
+    loop = Loop(0.8, in_flight=3000)
+    loop.run(120, busy=0.5)
+    cap = loop.run(10, busy=1.0)  # saturated for a while, not over the sustained window
+    assert cap.saturated and cap.sustained_utilisation < 0.8
+    assert cap.ceiling == MAX_IN_FLIGHT and cap.ceiling_reason == "prior"
 
 
-def test_a_loop_busy_without_scans_admits_at_the_floor() -> None:
-    cap = Loop(0.8).run(20, busy=0.95)
-    assert cap.saturated and cap.rate == MIN_RATE and cap.reason == "floor"
+def test_a_sustained_saturation_cuts_the_ceiling_once_per_cut_shown() -> None:
+    loop = Loop(0.8, in_flight=1000)
+    cap = loop.run(60, busy=1.0)  # the sustained window crosses the target after ~48 s
+    first = 1000 * max(CEILING_CUT_MIN, 0.7 / 1.0)
+    assert cap.ceiling == pytest.approx(first) and cap.ceiling_reason == "saturated"
+    assert loop.run(30, busy=1.0).ceiling == pytest.approx(first)  # 1,000 still in flight
+    loop.in_flight = round(first)  # scans ended, none started
+    assert loop.run(3, busy=1.0).ceiling == pytest.approx(first * CEILING_CUT_MIN)
+
+
+def test_the_ceiling_grows_back_only_while_it_binds_and_never_past_the_admissions_cap() -> None:
+    loop = Loop(0.8, in_flight=1000)
+    cut = loop.run(60, busy=1.0).ceiling
+    grown = loop.run(10, busy=0.3).ceiling  # room again, and 1,000 would be in flight
+    assert grown > cut * (1 + CEILING_GROWTH) ** 10
+    loop.in_flight = round(grown / 2)  # far under it: no reason to grow
+    assert loop.run(30, busy=0.3).ceiling == grown
+    loop.in_flight = MAX_IN_FLIGHT
+    assert loop.run(300, busy=0.3).ceiling == MAX_IN_FLIGHT
+
+
+def test_a_loop_busy_without_scans_keeps_a_floor_of_scans_in_flight() -> None:
+    cap = Loop(0.8).run(120, busy=0.95)
+    assert cap.saturated and cap.ceiling == MIN_CEILING
+
+
+async def test_at_the_ceiling_arrivals_are_refused_and_told_to_come_back_as_scans_drain() -> None:
+    loop = Loop(0.8, in_flight=10)
+    cap = loop.capacity
+    cap.ceiling, cap.scans_per_s = 10.0, 2.0  # two scans end a second
+    pacer = LoopPacer(cap)
+    refused = [pacer.refusal() for _ in range(4)]
+    assert all(busy is not None and busy.reason == SATURATED for busy in refused)
+    assert [busy.retry_after_s for busy in refused if busy] == [1, 1, 2, 2]
+    loop.in_flight = 9
+    assert pacer.refusal() is None
+    await pacer.enter()
 
 
 async def test_a_wave_starts_at_the_rate_and_what_the_queue_cannot_hold_is_refused_at_once() -> None:
@@ -167,7 +227,14 @@ async def until(svc: Service, metric: str, value: float, labels: dict[str, str] 
 async def until_at_least(svc: Service, metric: str, value: float, labels: dict[str, str]) -> None:
     deadline = time.monotonic() + FOLLOW_WITHIN_S
     while svc.metric(metric, labels) < value:
-        assert time.monotonic() < deadline, f"{metric} is {svc.metric(metric, labels)}, under {value}"
+        assert time.monotonic() < deadline, (
+            f"{metric} is {svc.metric(metric, labels)}, under {value}",
+            svc.metric("ecoscan_loop_shed_total", {"reason": WAVE}),
+            svc.metric("ecoscan_limit", {"limit": "loop_inflight"}),
+            svc.metric("ecoscan_limit", {"limit": "loop_rate"}),
+            svc.metric("ecoscan_admission_slots_in_use"),
+            svc.metric("ecoscan_scans_total", {"outcome": "completed", "code": ""}),
+        )
         await asyncio.sleep(0.01)
 
 
@@ -208,17 +275,19 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
     )
 
 
-async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
-    database_url: str, sim: RunningSimulator
-) -> None:
-    photos = [data_url(make_jpeg(seed, (320, 240))) for seed in range(12)]
-    async with running_service(
-        settings_for(database_url, sim, loop_utilisation_target=0.8, loop_pacing=True)
-    ) as svc:
+async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(database_url: str) -> None:
+    photos = [data_url(make_jpeg(seed, (320, 240))) for seed in range(MIN_CEILING + 4)]
+    # Scans that last a few seconds, so that the ceiling's are still in flight when the
+    # rest arrive; a low target, so that the burner's load is a sustained saturation soon.
+    async with (
+        run_simulator(dataclasses.replace(BASE_SIM, time_scale=SLOW_SIM)) as sim,
+        running_service(
+            settings_for(database_url, sim, loop_utilisation_target=0.3, loop_pacing=True)
+        ) as svc,
+    ):
         async with burning_loop():
-            await until(svc, "ecoscan_loop_saturated", 1.0)
-            await until(svc, "ecoscan_limit", MIN_RATE, {"limit": "loop_rate"})
-            assert svc.metric("ecoscan_loop_utilisation") >= 0.8
+            await until(svc, "ecoscan_limit", MIN_CEILING, {"limit": "loop_inflight"})
+            assert svc.metric("ecoscan_loop_saturated") == 1.0
             wave = asyncio.gather(
                 *(
                     run_scan(svc.client, json={"image_url": photo}, headers={"X-User-ID": f"u{n}"})
@@ -226,7 +295,7 @@ async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
                 )
             )
             await until_at_least(svc, "ecoscan_loop_shed_total", 1, {"reason": SATURATED})
-            # While the wave holds the pacer's turns: answered by the HTTP protocol.
+            # While the ceiling's scans are in flight: answered by the HTTP protocol.
             raw, closed = await early_refusals(svc, photos[0])
             outcomes = await wave
         assert [status for status, _, _ in raw] == [503, 503, 200, 503]
@@ -236,7 +305,8 @@ async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
         assert "connection" not in raw[0][1] and raw[3][1]["connection"] == "close" and closed
         accepted = [o for o in outcomes if o.status == 200]
         shed = [o for o in outcomes if o.status != 200]
-        assert accepted, "the floor rate still lets scans in"
+        # The ceiling's floor still lets scans in, never more than it at once.
+        assert 1 <= len(accepted) <= MIN_CEILING, len(accepted)
         assert all(o.terminal.event == "done" for o in accepted), [o.terminal for o in accepted]
         assert shed, "a saturated loop sheds new scans"
         for o in shed:
@@ -247,7 +317,9 @@ async def test_a_busy_loop_sheds_new_scans_early_while_accepted_ones_complete(
         assert svc.metric("ecoscan_admission_rejected_total", {"reason": "SERVER_BUSY"}) == refused
         assert svc.metric("ecoscan_scans_total", {"outcome": "rejected", "code": "SERVER_BUSY"}) == refused
         assert svc.metric("ecoscan_loop_shed_cpu_seconds_total") > 0
-        assert svc.metric("ecoscan_limit_changes_total", {"limit": "loop_rate", "reason": "floor"}) >= 1
+        assert (
+            svc.metric("ecoscan_limit_changes_total", {"limit": "loop_inflight", "reason": "saturated"}) >= 1
+        )
         # Burner off: the loop comes back under its target, and new scans start again.
         await until(svc, "ecoscan_loop_saturated", 0.0)
         outcome = await run_scan(svc.client, json={"image_url": photos[0]}, headers={"X-User-ID": "after"})

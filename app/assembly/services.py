@@ -251,6 +251,8 @@ def loop_pacer(
     capacity = LoopCapacity(
         target=settings.loop_utilisation_target,
         admitted=lambda: admission.admitted,
+        in_flight=lambda: admission.in_flight,
+        max_in_flight=lambda: admission.max_inflight,
         on_change=lambda limit, reason: metrics.limit_changes.labels(limit, reason).inc(),
     )
     background(stack, capacity.run(), "loop-capacity")
@@ -258,6 +260,7 @@ def loop_pacer(
     if not settings.loop_pacing:
         return None
     metrics.limit.labels("loop_rate").set_function(lambda: float(capacity.limit))
+    metrics.limit.labels("loop_inflight").set_function(lambda: float(capacity.inflight_limit))
     return LoopPacer(capacity)
 
 

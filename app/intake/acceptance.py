@@ -128,7 +128,13 @@ class ScanAcceptance:
         reservation = None if key else await self._reserve(caller)
         try:
             await self._paced(cpu_at)
-            return await self._read_and_start(request, caller, key, content_type, received_at, reservation)
+            try:
+                return await self._read_and_start(
+                    request, caller, key, content_type, received_at, reservation
+                )
+            finally:
+                if self._pacer is not None:
+                    self._pacer.entered()
         except BaseException:
             if reservation is not None:
                 reservation.give_back()
@@ -242,7 +248,8 @@ class ScanAcceptance:
         return await self._quota.reserve(caller.rate_key) if self._quota is not None else None
 
     async def _paced(self, cpu_at: float) -> None:
-        """This scan's turn at the rate the loop can take (app/limits/loop_pacer.py)."""
+        """This scan's turn at the rate the loop can take, and its place under the ceiling
+        until it is admitted (app/limits/loop_pacer.py)."""
         if self._pacer is None:
             return
         try:

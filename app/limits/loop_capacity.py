@@ -18,14 +18,21 @@ Every `SAMPLE_INTERVAL_S`, from the loop thread itself:
   averaged over `COST_WINDOW_S` (longer than a scan lives: a scan's streams cost the
   loop for its whole life, not when it is admitted), what refusals cost taken out.
 
-The rate new scans may start at is the rate they were admitted at lately (over
-`COST_WINDOW_S`) plus what the headroom takes: (goal - utilisation) x share / CPU per scan,
-the goal being the target, or `HYSTERESIS` under it while the loop is saturated (at or
-over the target, until it is that far under it). Over the goal the headroom is negative
-and the rate falls under the recent one, slowly, as the recent one follows: admissions
-change the loop's load only as the scans they start live, so a controller faster than that
-would cut admission to nothing before its first cut showed (a ratchet that collapsed
-admission in a benchmark). Never under `MIN_RATE`, so the loop keeps measuring.
+Two limits follow from it:
+- **the ceiling**: how many scans may be in flight. When the loop is over the target, the
+  ceiling is cut to what is in flight times (target - `HYSTERESIS`) / utilisation (at
+  most by `CEILING_CUT_MIN`), and not again until the cut has shown: what is in flight is
+  down to it and the utilisation has had a window to follow. Under the target by
+  `HYSTERESIS` it grows by `CEILING_GROWTH` a sample while it binds (what is in flight is
+  near it), so it never runs away above what the loop has been shown to take. A ceiling
+  on the scans in flight, not a rate: a scan costs the loop over its whole life, so the
+  load follows what is in flight within a few samples, where a rate shows only as its
+  scans live (a rate controller cut admission to its floor before its first cut showed,
+  in a benchmark). When the loop is the bottleneck, admitting past it adds no
+  throughput, only lateness (Little's law: the same scans a second take longer each).
+- **the rate** a wave of arrivals is spread at: `WAVE_FACTOR` times what the loop sustains
+  at the target (target x share / CPU per scan), so it smooths a wave and never binds a
+  steady load. Never under `MIN_RATE`, so the loop keeps measuring.
 """
 
 from __future__ import annotations
@@ -52,9 +59,19 @@ HYSTERESIS = 0.1
 MIN_SCANS_FOR_COST = 20
 # Before any is measured, a scan is assumed to cost the loop this much CPU (seconds): a
 # scan of two calls and a streamed answer on a 2-core box (docs/benchmarks.md).
-PRIOR_CPU_PER_SCAN_S = 0.003
+PRIOR_CPU_PER_SCAN_S = 0.01
 # However busy the loop, this many scans a second still start.
 MIN_RATE = 1.0
+# A wave is spread at this many times the rate the loop sustains at its target.
+WAVE_FACTOR = 2.0
+# One cut of the ceiling takes at most this much off (a factor of what is in flight).
+CEILING_CUT_MIN = 0.8
+# While it binds and the loop has room, the ceiling grows by this factor a sample.
+CEILING_GROWTH = 0.02
+# It binds when what is in flight (or waiting at the pacer) is this close to it.
+CEILING_NEAR = 0.95
+# However busy the loop, this many scans may still be in flight.
+MIN_CEILING = 10
 
 
 class LoopClock:
@@ -87,30 +104,49 @@ class LoopCapacity:
         *,
         target: float,
         admitted: Callable[[], int],
+        in_flight: Callable[[], int] = lambda: 0,
+        max_in_flight: Callable[[], int] = lambda: 1 << 30,
         clock: LoopClock | None = None,
         on_change: Callable[[str, str], None] = lambda _limit, _reason: None,
         interval_s: float = SAMPLE_INTERVAL_S,
     ) -> None:
         self.target = target
         self._admitted = admitted
+        self._in_flight = in_flight
+        self._max_in_flight = max_in_flight  # the admission's cap, sized by the process
         self._clock = clock
         self._interval_s = interval_s
         self.utilisation = 0.0
+        self.sustained_utilisation = 0.0  # over COST_WINDOW_S: a wave of completions is not an overload
         self.share = 1.0
         self.cpu_per_scan_s = PRIOR_CPU_PER_SCAN_S
         self.scans_per_s = 0.0  # admitted, averaged over COST_WINDOW_S
         self._cpu_per_s = 0.0  # the loop's, refusals' taken out, likewise
         self.saturated = False
-        self.rate = max(MIN_RATE, target / PRIOR_CPU_PER_SCAN_S)
+        self.rate = max(MIN_RATE, WAVE_FACTOR * target / PRIOR_CPU_PER_SCAN_S)
         self.reason = "prior"
+        self.ceiling = float(max_in_flight())
+        self.ceiling_reason = "prior"
+        self._cut_shown_at = 0.0  # no cut before the utilisation has followed the last one
         self._refusals_cpu_s = 0.0  # what refusals cost the loop since the last sample
         self._last: tuple[float, float, float, int] | None = None
-        self._moves: Moves[str] = Moves(on_change, str, {"loop_rate": self.limit})
+        self._moves: Moves[str] = Moves(
+            on_change, str, {"loop_rate": self.limit, "loop_inflight": self.inflight_limit}
+        )
 
     @property
     def limit(self) -> int:
         """The rate as `ecoscan_limit{limit="loop_rate"}` shows it: scans a second, rounded up."""
         return math.ceil(self.rate)
+
+    @property
+    def inflight_limit(self) -> int:
+        """The ceiling as `ecoscan_limit{limit="loop_inflight"}` shows it."""
+        return math.floor(self.ceiling)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight()
 
     def refused(self, cpu_s: float) -> None:
         self._refusals_cpu_s += cpu_s
@@ -134,9 +170,10 @@ class LoopCapacity:
         refusals, self._refusals_cpu_s = self._refusals_cpu_s, 0.0
         wanted = min(1.0, (used + waited) / wall)
         self.utilisation += (1 - math.exp(-wall / UTILISATION_WINDOW_S)) * (wanted - self.utilisation)
+        weight = 1 - math.exp(-wall / COST_WINDOW_S)
+        self.sustained_utilisation += weight * (wanted - self.sustained_utilisation)
         if used + waited > 0:
             self.share = max(0.05, used / (used + waited))
-        weight = 1 - math.exp(-wall / COST_WINDOW_S)
         self.scans_per_s += weight * (scans / wall - self.scans_per_s)
         self._cpu_per_s += weight * (max(0.0, used - refusals) / wall - self._cpu_per_s)
         if self.scans_per_s * COST_WINDOW_S >= MIN_SCANS_FOR_COST:
@@ -145,10 +182,24 @@ class LoopCapacity:
             self.saturated = True
         elif self.utilisation < self.target - HYSTERESIS:
             self.saturated = False
-        goal = self.target - HYSTERESIS if self.saturated else self.target
-        rate = self.scans_per_s + (goal - self.utilisation) * self.share / self.cpu_per_scan_s
-        reason = "saturated" if self.saturated else "cpu"
-        if rate <= MIN_RATE:
-            rate, reason = MIN_RATE, "floor"
-        self.rate, self.reason = rate, reason
-        self._moves.moved("loop_rate", self.limit, reason)
+        self._steer_ceiling(now, self._in_flight())
+        rate = WAVE_FACTOR * self.target * self.share / self.cpu_per_scan_s
+        self.rate, self.reason = max(MIN_RATE, rate), "cpu" if rate > MIN_RATE else "floor"
+        self._moves.moved("loop_rate", self.limit, self.reason)
+
+    def _steer_ceiling(self, now: float, in_flight: int) -> None:
+        if self.ceiling_reason == "prior":  # never cut: the admission's cap, as it is sized
+            self.ceiling = float(self._max_in_flight())
+        if self.utilisation >= self.target and self.sustained_utilisation >= self.target:
+            if in_flight * CEILING_NEAR > self.ceiling or now < self._cut_shown_at:
+                return  # the last cut has not shown yet
+            cut = max(CEILING_CUT_MIN, (self.target - HYSTERESIS) / self.utilisation)
+            self.ceiling = max(MIN_CEILING, min(self.ceiling, in_flight) * cut)
+            self.ceiling_reason = "saturated"
+            self._cut_shown_at = now + UTILISATION_WINDOW_S
+        elif self.utilisation < self.target - HYSTERESIS and in_flight >= CEILING_NEAR * self.ceiling:
+            self.ceiling = min(self._max_in_flight(), self.ceiling * (1 + CEILING_GROWTH))
+            self.ceiling_reason = "cpu"
+        else:
+            return
+        self._moves.moved("loop_inflight", self.inflight_limit, self.ceiling_reason)
