@@ -8,6 +8,11 @@
   as a scan's head is parsed, before an ASGI cycle, a task or anything of the app exists
   for it, with pre-built bytes; its body is skipped as the parser reads it, and the
   connection kept (closed if the body stops coming for the keep-alive timeout).
+- **No idle close of a connection whose next request has arrived.** Under uvloop a loop
+  iteration runs its due timers before it reads sockets: a loop that fell behind would let
+  uvicorn's keep-alive timer close a connection with a request, sent in time, waiting in
+  the kernel (a reset for the client, no answer, nothing counted). Bytes waiting: no close,
+  the read that follows cancels the timer as any request does.
 - **JSON error bodies** for rejections the application never sees (malformed
   request lines, bad `Content-Length`, control characters in headers): the same
   `{"detail", "code"}` shape as every other error, with code `BAD_HTTP_REQUEST`.
@@ -21,7 +26,10 @@ in the environment (what the image sets, so a bare command run in it has it too)
 
 from __future__ import annotations
 
+import fcntl
 import json
+import struct
+import termios
 import time
 from http import HTTPStatus
 from typing import Any
@@ -147,6 +155,22 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
         idle = self.cycle is None or self.cycle.response_complete
         if (self._refused is not None or idle) and not self.transport.is_closing():
             self._arm_keep_alive()  # held, the timer was not running
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.flow.read_paused and self._bytes_waiting():
+            return  # the next request is here: data_received, later this iteration, takes it
+        super().timeout_keep_alive_handler()
+
+    def _bytes_waiting(self) -> bool:
+        """Whether the kernel holds bytes from the client not yet read (FIONREAD)."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            waiting: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+        except (OSError, ValueError):
+            return False
+        return waiting > 0
 
     def send_400_response(self, msg: str) -> None:
         self._send_json_error(HTTPStatus.BAD_REQUEST, "BAD_HTTP_REQUEST", msg)
