@@ -37,13 +37,19 @@ async def test_a_request_waiting_when_the_idle_timeout_fires_is_answered(
             await _request_sent_while_stalled(svc)
 
 
-async def _request_sent_while_stalled(svc: ServiceProcess) -> None:
+async def answered_once(svc: ServiceProcess) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to `svc` whose first request was answered: now idle, kept alive."""
     host, port = svc.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(REQUEST)
+    async with asyncio.timeout(10):
+        assert (await read_response(reader))[0] == 200
+    return reader, writer
+
+
+async def _request_sent_while_stalled(svc: ServiceProcess) -> None:
+    reader, writer = await answered_once(svc)
     try:
-        writer.write(REQUEST)
-        async with asyncio.timeout(10):
-            assert (await read_response(reader))[0] == 200
         # The service stalls; the next request arrives before the idle timeout, and the
         # service wakes after it with both the timer due and the request waiting.
         svc.signal(signal.SIGSTOP)
@@ -66,12 +72,9 @@ async def test_an_idle_connection_is_still_closed_after_the_timeout(
 ) -> None:
     env = service_env(database_url, sim, UVICORN_TIMEOUT_KEEP_ALIVE=str(KEEP_ALIVE_S))
     async with service_process(env, tmp_path / "service.log") as svc:
-        host, port = svc.url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+        reader, writer = await answered_once(svc)
         try:
-            writer.write(REQUEST)
             async with asyncio.timeout(10):
-                assert (await read_response(reader))[0] == 200
                 assert await reader.read() == b""  # closed by the server, within the timeout and a bit
         finally:
             writer.close()
