@@ -158,7 +158,11 @@ class HttpToolsProtocol(_UvicornHttpToolsProtocol):
 
     def timeout_keep_alive_handler(self) -> None:
         if not self.flow.read_paused and self._bytes_waiting():
-            return  # the next request is here: data_received, later this iteration, takes it
+            # The next request is here: data_received, later this iteration, takes it (and
+            # stops the timer); armed again in case those bytes start no request (a partial
+            # TLS record), so that an idle connection is still closed.
+            self._arm_keep_alive()
+            return
         super().timeout_keep_alive_handler()
 
     def _bytes_waiting(self) -> bool:

@@ -126,7 +126,7 @@ class LoopCapacity:
         self.rate = max(MIN_RATE, WAVE_FACTOR * target / PRIOR_CPU_PER_SCAN_S)
         self.reason = "prior"
         self.ceiling = float(max_in_flight())
-        self.ceiling_reason = "prior"
+        self.ceiling_reason = "admission"  # no cut in force: the admission's cap
         self._cut_shown_at = 0.0  # no cut before the utilisation has followed the last one
         self._refusals_cpu_s = 0.0  # what refusals cost the loop since the last sample
         self._last: tuple[float, float, float, int] | None = None
@@ -147,6 +147,12 @@ class LoopCapacity:
     @property
     def in_flight(self) -> int:
         return self._in_flight()
+
+    @property
+    def binding(self) -> bool:
+        """Whether the ceiling is the loop's own (cut, not yet grown back to the admission's
+        cap): only then does the pacer refuse at it."""
+        return self.ceiling_reason != "admission"
 
     def refused(self, cpu_s: float) -> None:
         self._refusals_cpu_s += cpu_s
@@ -188,8 +194,7 @@ class LoopCapacity:
         self._moves.moved("loop_rate", self.limit, self.reason)
 
     def _steer_ceiling(self, now: float, in_flight: int) -> None:
-        if self.ceiling_reason == "prior":  # never cut: the admission's cap, as it is sized
-            self.ceiling = float(self._max_in_flight())
+        cap = float(self._max_in_flight())
         if self.utilisation >= self.target and self.sustained_utilisation >= self.target:
             if in_flight * CEILING_NEAR > self.ceiling or now < self._cut_shown_at:
                 return  # the last cut has not shown yet
@@ -197,9 +202,13 @@ class LoopCapacity:
             self.ceiling = max(MIN_CEILING, min(self.ceiling, in_flight) * cut)
             self.ceiling_reason = "saturated"
             self._cut_shown_at = now + UTILISATION_WINDOW_S
+        elif not self.binding or self.sustained_utilisation < self.target - HYSTERESIS:
+            # Not cut, or the loop has had room for a while: no ceiling but the admission's cap
+            # (which refuses on its own, after its wait), however that is sized meanwhile.
+            self.ceiling, self.ceiling_reason = cap, "admission"
         elif self.utilisation < self.target - HYSTERESIS and in_flight >= CEILING_NEAR * self.ceiling:
-            self.ceiling = min(self._max_in_flight(), self.ceiling * (1 + CEILING_GROWTH))
-            self.ceiling_reason = "cpu"
+            self.ceiling = min(cap, self.ceiling * (1 + CEILING_GROWTH))
+            self.ceiling_reason = "cpu" if self.ceiling < cap else "admission"
         else:
             return
         self._moves.moved("loop_inflight", self.inflight_limit, self.ceiling_reason)

@@ -7,9 +7,9 @@ row, its first events), twice: in the HTTP protocol as soon as a scan's head is 
 (`refusal()`, app/http/early_refusal.py: no ASGI app, no request object, a pre-built
 answer, so a refusal costs the loop little more than the head's parse), and in acceptance
 after the caller's rate and quota (`enter()`, which takes the turn: for a scan that others
-overtook in between, or a server run without app/http/protocol.py). At the ceiling (the
-scans in flight, those waiting for their turn and those past it not yet admitted) an
-arrival is refused at once with SERVER_BUSY, its body never read; its Retry-After is a turn
+overtook in between, or a server run without app/http/protocol.py). At a ceiling of the
+loop's own (a cut: the scans in flight, those waiting for their turn and those past it not
+yet admitted) an arrival is refused at once with SERVER_BUSY, its body never read; its Retry-After is a turn
 of its own at the rate scans were admitted lately (about the rate they end at), after the
 turns given to those refused before it. Under it, arrivals are spaced `1 / rate` apart (a
 virtual schedule, GCRA: no timer, no task); `BURST_S` of the rate may start at once, and
@@ -63,7 +63,7 @@ class LoopPacer:
         protocol can ask it before a request reaches the app (app/http/early_refusal.py)."""
         now = time.monotonic()
         capacity = self.capacity
-        if capacity.in_flight + self.waiting + self.entering >= capacity.ceiling:
+        if capacity.binding and capacity.in_flight + self.waiting + self.entering >= capacity.inflight_limit:
             # Back when, at the rate scans have been admitted lately (about the rate they end
             # at), the turns given to those refused before it have passed.
             drain = max(MIN_DRAIN_RATE, capacity.scans_per_s)
