@@ -58,9 +58,10 @@ class LoopPacer:
         self.entering = 0  # arrivals past their turn, not yet admitted or refused elsewhere
 
     def refusal(self) -> LoopBusy | None:
-        """`LoopBusy` (its Retry-After's turn given) if an arrival now would wait more than
-        `QUEUE_S` for its turn, else None: a question that takes no turn, so the HTTP
-        protocol can ask it before a request reaches the app (app/http/early_refusal.py)."""
+        """`LoopBusy` (its Retry-After's turn given) if an arrival now would meet a ceiling of
+        the loop's own or wait more than `QUEUE_S` for its turn, else None: a question that
+        takes no turn, so the HTTP protocol can ask it before a request reaches the app
+        (app/http/early_refusal.py)."""
         now = time.monotonic()
         capacity = self.capacity
         if capacity.binding and capacity.in_flight + self.waiting + self.entering >= capacity.inflight_limit:
