@@ -71,7 +71,7 @@ def create_app(
 def _early_refusal(resources: Resources) -> EarlyRefusal | None:
     """What the HTTP protocol asks before a scan reaches the app (app/http/early_refusal.py):
     only the loop pacer refuses there, so nothing without it."""
-    if not (resources.settings.loop_pacing and resources.settings.loop_utilisation_target):
+    if not resources.acceptance.paced:
         return None
     return EarlyRefusal(resources.acceptance.refused_early, resources.acceptance.charge_shed)
 

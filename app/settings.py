@@ -21,7 +21,7 @@ from app.runtime.redaction import redact_url
 from app.upstream.deployments import Deployment, DeploymentError, parse_deployments
 from app.upstream.profiles import TOKEN_PARAM_CHOICES, CallShape, call_shape
 from app.upstream.reply_cache import CacheLimits
-from app.upstream.stage_call import StageCall
+from app.upstream.stage_call import DETAILS, StageCall
 
 AUTH_MODES = ("gateway", "jwt")
 # RFC 7518 §3.2: an HS256 key at least as long as its hash output.
@@ -232,7 +232,7 @@ class Settings:
         pool_max = self.limit("db_pool_max")
         if self.db_pool_min > (pool_max.fixed or pool_max.cap or self.db_pool_min):
             raise SettingsError("DB_POOL_MIN must not exceed DB_POOL_MAX")
-        if self.vision_detail not in ("low", "high", "auto"):
+        if self.vision_detail not in DETAILS:
             raise SettingsError(f"VISION_DETAIL must be low, high or auto, got {self.vision_detail!r}")
         if not 0 <= self.loop_utilisation_target <= 1:
             raise SettingsError(

@@ -49,11 +49,10 @@ import yaml  # type: ignore[import-untyped]
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.assembly.services import input_limits
 from app.errors import Overloaded
 from app.http.head_limits import MAX_REQUEST_HEAD_BYTES
 from app.http.protocol import HttpToolsProtocol
-from app.images.limits import ImageLimits
-from app.intake.parsing import InputLimits
 from app.main import create_app
 from app.runtime.metrics import Metrics
 from app.runtime.serving import serve_in_loop
@@ -213,13 +212,7 @@ def size_bytes(size: str) -> int:
 
 def max_body_bytes(settings: Settings) -> int:
     """The largest request body the service accepts with these settings."""
-    image = ImageLimits(
-        max_bytes=settings.image_max_bytes,
-        max_pixels=settings.image_max_pixels,
-        long_side=settings.image_long_side,
-        jpeg_quality=settings.image_jpeg_quality,
-    )
-    return InputLimits(image=image, user_input_max_chars=settings.user_input_max_chars).max_body_bytes
+    return input_limits(settings).max_body_bytes
 
 
 def settings_env_names() -> set[str]:

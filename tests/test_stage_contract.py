@@ -296,28 +296,24 @@ async def test_a_calling_stage_is_routed_budgeted_gated_cached_and_counted(
         assert svc.metric("ecoscan_stage_duration_seconds_count", labels) == 2
 
 
+def listed(sim: RunningSimulator, models: dict[str, str]) -> str:
+    """UPSTREAMS: one deployment, the simulator, serving each stage the model `models` names."""
+    deployment = {"name": "sim", "provider": "compatible", "base_url": sim.base_url, "rpm": 500}
+    return json.dumps([{**deployment, "tpm": 500_000, "models": models}])
+
+
 async def test_deployments_name_a_calling_stages_model_in_models(
     database_url: str, sim: RunningSimulator
 ) -> None:
     """Listed deployments serve a new calling stage where their `models` name one for it; a
     stage none serves stops the start, naming it."""
 
-    def listed(models: dict[str, str]) -> str:
-        deployment = {
-            "name": "sim",
-            "provider": "compatible",
-            "base_url": sim.base_url,
-            "rpm": 500,
-            "tpm": 500_000,
-        }
-        return json.dumps([{**deployment, "models": models}])
-
     pair = {"vision": "gpt-4o-mini", "answer": "gpt-4o-mini"}
-    unserved = settings_for(database_url, sim, upstreams=listed(pair))
+    unserved = settings_for(database_url, sim, upstreams=listed(sim, pair))
     with pytest.raises(SettingsError, match="no deployment serves the moderation stage"):
         async with lifespan_resources(unserved, Metrics(process=False), stages=MODERATED):
             pass
-    served = settings_for(database_url, sim, upstreams=listed({**pair, "moderation": "gpt-4.1-nano"}))
+    served = settings_for(database_url, sim, upstreams=listed(sim, {**pair, "moderation": "gpt-4.1-nano"}))
     async with lifespan_resources(served, Metrics(process=False), stages=MODERATED) as resources:
         assert list(resources.gates) == ["vision", "moderation", "answer"]
         assert set(resources.budgets) == {"sim/gpt-4o-mini", "sim/gpt-4.1-nano"}
@@ -328,15 +324,8 @@ async def test_a_deployment_naming_a_stage_nobody_runs_stops_the_start(
 ) -> None:
     """A stage name in `models` that no calling stage has (a typo, a stage taken out) was
     ignored: the deployment then silently served less than its operator wrote."""
-    deployment = {
-        "name": "sim",
-        "provider": "compatible",
-        "base_url": sim.base_url,
-        "rpm": 500,
-        "tpm": 500_000,
-        "models": {"vision": "gpt-4o-mini", "answer": "gpt-4o-mini", "moderaton": "gpt-4.1-nano"},
-    }
-    settings = settings_for(database_url, sim, upstreams=json.dumps([deployment]))
+    models = {"vision": "gpt-4o-mini", "answer": "gpt-4o-mini", "moderaton": "gpt-4.1-nano"}
+    settings = settings_for(database_url, sim, upstreams=listed(sim, models))
     with pytest.raises(SettingsError, match="deployment 'sim': models: 'moderaton' is not a calling stage"):
         async with lifespan_resources(settings, Metrics(process=False)):
             pass

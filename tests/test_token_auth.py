@@ -33,6 +33,13 @@ LOAD_S = 15.0
 FAST: dict[str, Any] = {"time_scale": 0.002, "latency_sigma": 0.0, "text_tokens": 40, "rpm": 0, "tpm": 0}
 
 
+def retry_probes_after(monkeypatch: pytest.MonkeyPatch, name: str, seconds: float) -> None:
+    """A retry constant of app/upstream/breaker.py set to `seconds` where it is used (each
+    module imported its own name)."""
+    monkeypatch.setattr(app.upstream.client, name, seconds)
+    monkeypatch.setattr(app.upstream.probes, name, seconds)
+
+
 def token_sim(flavor: str) -> SimConfig:
     return SimConfig(flavor=flavor, auth="token", token_secret=SECRET, **FAST)
 
@@ -186,8 +193,7 @@ async def test_a_failed_refresh_takes_the_deployment_out_and_scans_go_to_another
     database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Probed again after half a second instead of CREDENTIAL_RETRY_S, to see it come back.
-    monkeypatch.setattr(app.upstream.client, "CREDENTIAL_RETRY_S", 0.5)
-    monkeypatch.setattr(app.upstream.probes, "CREDENTIAL_RETRY_S", 0.5)
+    retry_probes_after(monkeypatch, "CREDENTIAL_RETRY_S", 0.5)
     keyed = SimConfig(flavor="azure", api_key="sk-standby", **FAST)
     async with (
         run_token_issuer(SECRET, 3600) as issuer,
@@ -231,8 +237,7 @@ async def test_a_failed_refresh_takes_the_deployment_out_and_scans_go_to_another
 async def test_a_token_service_that_is_down_takes_vertex_out_and_scans_go_to_the_api_key(
     database_url: str, sim: RunningSimulator, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(app.upstream.client, "CREDENTIAL_RETRY_S", 0.5)
-    monkeypatch.setattr(app.upstream.probes, "CREDENTIAL_RETRY_S", 0.5)
+    retry_probes_after(monkeypatch, "CREDENTIAL_RETRY_S", 0.5)
     keyed = SimConfig(flavor="gemini", api_key="sk-gemini-api", **FAST)
     async with (
         run_token_issuer(SECRET, 3600) as issuer,
@@ -270,8 +275,7 @@ async def test_a_token_refused_at_the_probe_is_not_sent_again_by_the_next_probe(
     it until its planned refresh (an hour-long token: most of an hour out). Vertex AI:
     google-auth fetches anew when asked (azure-identity hands back its cached token until
     its own refresh, so an Entra ID deployment waits for that; docs/configuration.md)."""
-    monkeypatch.setattr(app.upstream.client, "OUT_RETRY_S", 0.5)
-    monkeypatch.setattr(app.upstream.probes, "OUT_RETRY_S", 0.5)
+    retry_probes_after(monkeypatch, "OUT_RETRY_S", 0.5)
     keyed = SimConfig(flavor="gemini", api_key="sk-gemini-api", **FAST)
     async with (
         run_token_issuer("not-the-providers-secret", 3600) as issuer,

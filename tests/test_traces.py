@@ -105,6 +105,21 @@ def otel_env(endpoint: str, **more: str) -> dict[str, str]:
     }
 
 
+@asynccontextmanager
+async def traced_service(
+    database_url: str, sim: RunningSimulator, tmp_path: Path
+) -> AsyncIterator[tuple[httpx.AsyncClient, Received]]:
+    """A service process exporting its spans to a receiver, and a client of it. The receiver
+    outlives the service, so what it flushes on its way out is in `Received` afterwards."""
+    async with otlp_receiver() as (endpoint, received):
+        env = service_env(database_url, sim, **otel_env(endpoint))
+        async with (
+            service_process(env, tmp_path / "svc.log") as svc,
+            httpx.AsyncClient(base_url=svc.url, timeout=30) as client,
+        ):
+            yield client, received
+
+
 def traceparent() -> tuple[str, str, str]:
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
     return f"00-{trace_id}-{span_id}-01", trace_id, span_id
@@ -115,71 +130,66 @@ async def test_one_scan_is_one_trace_under_the_clients_traceparent(
 ) -> None:
     photo = make_jpeg(71, (1600, 1200))  # larger than it is sent: prepared in the CPU lane
     header, trace_id, parent_id = traceparent()
-    async with otlp_receiver() as (endpoint, received):
-        env = service_env(database_url, sim, **otel_env(endpoint))
-        async with (
-            service_process(env, tmp_path / "svc.log") as svc,
-            httpx.AsyncClient(base_url=svc.url, timeout=30) as client,
-        ):
-            body = {"image_url": data_url(photo), "user_input": NOTE}
-            headers = {"traceparent": header, "X-User-ID": USER}
-            outcome = await run_scan(client, json=body, headers=headers)
-            assert outcome.terminal.event == "done", outcome.events
-            assert outcome.headers["x-trace-id"] == trace_id
-            assert outcome.terminal.data["trace_id"] == trace_id
-            await received.wait_for(trace_id, "scan")
-            await received.wait_for(trace_id, "UPDATE scans")
-            # A client's trace that is not sampled: named, followed, nothing of it exported.
-            unsampled, unsampled_id, _ = traceparent()
-            unsampled = unsampled[:-2] + "00"
-            other = await run_scan(
-                client, json={"image_url": data_url(make_jpeg(72))}, headers={"traceparent": unsampled}
-            )
-            assert other.headers["x-trace-id"] == other.terminal.data["trace_id"] == unsampled_id
-            await asyncio.sleep(1.0)  # ten times the export delay
-            assert received.of_trace(unsampled_id) == []
-            openmetrics = await client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
-            text = (await client.get("/metrics")).text
+    async with traced_service(database_url, sim, tmp_path) as (client, received):
+        body = {"image_url": data_url(photo), "user_input": NOTE}
+        headers = {"traceparent": header, "X-User-ID": USER}
+        outcome = await run_scan(client, json=body, headers=headers)
+        assert outcome.terminal.event == "done", outcome.events
+        assert outcome.headers["x-trace-id"] == trace_id
+        assert outcome.terminal.data["trace_id"] == trace_id
+        await received.wait_for(trace_id, "scan")
+        await received.wait_for(trace_id, "UPDATE scans")
+        # A client's trace that is not sampled: named, followed, nothing of it exported.
+        unsampled, unsampled_id, _ = traceparent()
+        unsampled = unsampled[:-2] + "00"
+        other = await run_scan(
+            client, json={"image_url": data_url(make_jpeg(72))}, headers={"traceparent": unsampled}
+        )
+        assert other.headers["x-trace-id"] == other.terminal.data["trace_id"] == unsampled_id
+        await asyncio.sleep(1.0)  # ten times the export delay
+        assert received.of_trace(unsampled_id) == []
+        openmetrics = await client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+        text = (await client.get("/metrics")).text
 
-        spans = received.of_trace(trace_id)
-        by_name = {s.name: s for s in spans}
-        request = by_name["POST /api/v1/scan/classify/completion"]
-        assert request.parent_span_id.hex() == parent_id and request.kind == Span.SPAN_KIND_SERVER
-        assert attributes(request)["http.response.status_code"] == 200
-        scan = by_name["scan"]
-        assert scan.parent_span_id == request.span_id
-        for stage in ("vision", "rule", "answer", "reward"):
-            assert by_name[f"stage {stage}"].parent_span_id == scan.span_id
-        assert by_name["cpu_lane parse_scan_body"].parent_span_id == request.span_id
-        assert by_name["INSERT scans"].parent_span_id == request.span_id
-        assert attributes(by_name["UPDATE scans"])["db.system.name"] == "postgresql"
-        resource = received.spans[0][0]
-        assert resource["service.name"] == "ecoscan-under-test"
+    spans = received.of_trace(trace_id)
+    by_name = {s.name: s for s in spans}
+    request = by_name["POST /api/v1/scan/classify/completion"]
+    assert request.parent_span_id.hex() == parent_id and request.kind == Span.SPAN_KIND_SERVER
+    assert attributes(request)["http.response.status_code"] == 200
+    scan = by_name["scan"]
+    assert scan.parent_span_id == request.span_id
+    for stage in ("vision", "rule", "answer", "reward"):
+        assert by_name[f"stage {stage}"].parent_span_id == scan.span_id
+    assert by_name["cpu_lane parse_scan_body"].parent_span_id == request.span_id
+    assert by_name["INSERT scans"].parent_span_id == request.span_id
+    assert attributes(by_name["UPDATE scans"])["db.system.name"] == "postgresql"
+    resource = received.spans[0][0]
+    assert resource["service.name"] == "ecoscan-under-test"
 
-        calls = [s for s in spans if s.name.startswith("chat ")]
-        assert len(calls) == 2, [s.name for s in spans]  # vision, answer: one attempt each
-        stage_ids = {by_name["stage vision"].span_id, by_name["stage answer"].span_id}
-        for call in calls:
-            attrs = attributes(call)
-            assert call.kind == Span.SPAN_KIND_CLIENT and call.parent_span_id in stage_ids
-            assert call.name == f"chat {attrs['gen_ai.request.model']}"
-            assert attrs["gen_ai.operation.name"] == "chat"
-            assert attrs["gen_ai.provider.name"] == "openai"
-            assert attrs["gen_ai.response.model"]
-            assert attrs["gen_ai.usage.input_tokens"] > 0 and attrs["gen_ai.usage.output_tokens"] > 0
-            assert "gen_ai.usage.cache_read.input_tokens" in attrs
-            assert "gen_ai.usage.reasoning.output_tokens" in attrs
-            assert attrs["server.address"] == "127.0.0.1"
-            assert {e.name for e in call.events} >= {"gate_wait", "budget_wait"}
-        assert "route" in {e.name for e in by_name["stage answer"].events}
+    calls = [s for s in spans if s.name.startswith("chat ")]
+    assert len(calls) == 2, [s.name for s in spans]  # vision, answer: one attempt each
+    stage_ids = {by_name["stage vision"].span_id, by_name["stage answer"].span_id}
+    for call in calls:
+        attrs = attributes(call)
+        assert call.kind == Span.SPAN_KIND_CLIENT and call.parent_span_id in stage_ids
+        assert call.name == f"chat {attrs['gen_ai.request.model']}"
+        assert attrs["gen_ai.operation.name"] == "chat"
+        assert attrs["gen_ai.provider.name"] == "openai"
+        assert attrs["gen_ai.response.model"]
+        assert attrs["gen_ai.usage.input_tokens"] > 0 and attrs["gen_ai.usage.output_tokens"] > 0
+        assert "gen_ai.usage.cache_read.input_tokens" in attrs
+        assert "gen_ai.usage.reasoning.output_tokens" in attrs
+        assert attrs["server.address"] == "127.0.0.1"
+        assert {e.name for e in call.events} >= {"gate_wait", "budget_wait"}
+    assert "route" in {e.name for e in by_name["stage answer"].events}
 
-        # Nothing of what the user sent or was told: no note, no answer, no image, no user id.
-        wire = b"".join(received.payloads)
-        answer = "".join(e.data["text"] for e in outcome.of("delta"))
-        assert len(answer) > 40
-        for secret in (NOTE, USER, answer[:24], answer[-24:], base64.b64encode(photo)[1000:1040].decode()):
-            assert secret.encode() not in wire, secret
-        assert b"data:image" not in wire and photo[200:240] not in wire
+    # Nothing of what the user sent or was told: no note, no answer, no image, no user id.
+    wire = b"".join(received.payloads)
+    answer = "".join(e.data["text"] for e in outcome.of("delta"))
+    assert len(answer) > 40
+    for secret in (NOTE, USER, answer[:24], answer[-24:], base64.b64encode(photo)[1000:1040].decode()):
+        assert secret.encode() not in wire, secret
+    assert b"data:image" not in wire and photo[200:240] not in wire
 
     # The GenAI metrics beside ours, and the scan histogram's exemplar pointing at the trace.
     usage = (
@@ -340,40 +350,35 @@ async def test_refusals_and_junk_traceparents_name_their_trace_too(
     refusal's code, is exported); a `traceparent` that is not one starts a new trace and
     never fails the request."""
     header, trace_id, parent_id = traceparent()
-    async with otlp_receiver() as (endpoint, received):
-        env = service_env(database_url, sim, **otel_env(endpoint))
-        async with (
-            service_process(env, tmp_path / "svc.log") as svc,
-            httpx.AsyncClient(base_url=svc.url, timeout=30) as client,
-        ):
-            refused = await run_scan(client, json={"user_input": "no image"}, headers={"traceparent": header})
-            assert refused.status == 400, refused.body
-            assert refused.headers.get("x-trace-id") == trace_id, refused.headers
-            (span,) = await received.wait_for(trace_id, SCAN_REQUEST)
-            assert span.parent_span_id.hex() == parent_id
-            assert attributes(span)["http.response.status_code"] == 400
-            assert attributes(span)["error.type"] == refused.body["code"]
-            junk = [
-                "00-" + "0" * 32 + "-" + "1" * 16 + "-01",  # an invalid (all-zero) trace id
-                "ff-" + "a" * 32 + "-" + "b" * 16 + "-01",  # the forbidden version
-                "00-" + "A" * 32 + "-" + "b" * 16 + "-01",  # upper case
-                "00-" + "a" * 32 + "-" + "b" * 16 + "-01-more",  # version 00 with more
-                "not a traceparent \u00e9",
-            ]
-            for value in junk:
-                photo = data_url(make_jpeg(90 + len(value)))
-                headers = {
-                    "traceparent": value.encode("latin-1"),
-                    "tracestate": "=,\u00e9=\u00e9".encode("latin-1"),
-                }
-                outcome = await run_scan(client, json={"image_url": photo}, headers=headers)
-                assert outcome.terminal.event == "done", (value, outcome.events)
-                new = outcome.headers["x-trace-id"]
-                assert re.fullmatch(r"[0-9a-f]{32}", new) and new not in value.lower(), value
-            # A valid traceparent with a tracestate that is not one: the SDK's warning of it
-            # (the client's text, a line per request any client can ask for) stays out of the log.
-            valid, _, _ = traceparent()
-            headers = {"traceparent": valid.encode(), "tracestate": b"bad key=x"}
-            outcome = await run_scan(client, json={"image_url": data_url(make_jpeg(99))}, headers=headers)
-            assert outcome.terminal.event == "done", outcome.events
-        assert "bad key" not in (tmp_path / "svc.log").read_text(errors="replace")
+    async with traced_service(database_url, sim, tmp_path) as (client, received):
+        refused = await run_scan(client, json={"user_input": "no image"}, headers={"traceparent": header})
+        assert refused.status == 400, refused.body
+        assert refused.headers.get("x-trace-id") == trace_id, refused.headers
+        (span,) = await received.wait_for(trace_id, SCAN_REQUEST)
+        assert span.parent_span_id.hex() == parent_id
+        assert attributes(span)["http.response.status_code"] == 400
+        assert attributes(span)["error.type"] == refused.body["code"]
+        junk = [
+            "00-" + "0" * 32 + "-" + "1" * 16 + "-01",  # an invalid (all-zero) trace id
+            "ff-" + "a" * 32 + "-" + "b" * 16 + "-01",  # the forbidden version
+            "00-" + "A" * 32 + "-" + "b" * 16 + "-01",  # upper case
+            "00-" + "a" * 32 + "-" + "b" * 16 + "-01-more",  # version 00 with more
+            "not a traceparent \u00e9",
+        ]
+        for value in junk:
+            photo = data_url(make_jpeg(90 + len(value)))
+            headers = {
+                "traceparent": value.encode("latin-1"),
+                "tracestate": "=,\u00e9=\u00e9".encode("latin-1"),
+            }
+            outcome = await run_scan(client, json={"image_url": photo}, headers=headers)
+            assert outcome.terminal.event == "done", (value, outcome.events)
+            new = outcome.headers["x-trace-id"]
+            assert re.fullmatch(r"[0-9a-f]{32}", new) and new not in value.lower(), value
+        # A valid traceparent with a tracestate that is not one: the SDK's warning of it
+        # (the client's text, a line per request any client can ask for) stays out of the log.
+        valid, _, _ = traceparent()
+        headers = {"traceparent": valid.encode(), "tracestate": b"bad key=x"}
+        outcome = await run_scan(client, json={"image_url": data_url(make_jpeg(99))}, headers=headers)
+        assert outcome.terminal.event == "done", outcome.events
+    assert "bad key" not in (tmp_path / "svc.log").read_text(errors="replace")

@@ -239,13 +239,7 @@ def _gate(call: StageCall, box: BoxLimits) -> StageGate:
     stage, spec = call.stage, call.concurrency
     if spec.fixed is not None:
         return StageGate(stage, spec.fixed)
-    ceiling = spec.ceiling(box.scans)
-    limiter = AdaptiveLimit(
-        floor=min(GATE_FLOOR, ceiling),
-        ceiling=ceiling,
-        prior_latency_s=PRIOR_LATENCY_S,
-        initial=INITIAL_GATE_LIMIT,
-    )
+    limiter = _sized_limit(spec.ceiling(box.scans))
     gate = StageGate(stage, limiter.limit)
     gate.limiter = limiter
     return gate
@@ -254,14 +248,16 @@ def _gate(call: StageCall, box: BoxLimits) -> StageGate:
 def _route_limit(gate: StageGate) -> RouteLimit:
     """A route's own limit (app/limits/route_limits.py): as its stage's gate would be sized
     alone, up to the gate's ceiling (a fixed gate's number)."""
-    ceiling = gate.ceiling
-    return RouteLimit(
-        AdaptiveLimit(
-            floor=min(GATE_FLOOR, ceiling),
-            ceiling=ceiling,
-            prior_latency_s=PRIOR_LATENCY_S,
-            initial=INITIAL_GATE_LIMIT,
-        )
+    return RouteLimit(_sized_limit(gate.ceiling))
+
+
+def _sized_limit(ceiling: int) -> AdaptiveLimit:
+    """A limit sized by the latency it sees, from `INITIAL_GATE_LIMIT` up to `ceiling`."""
+    return AdaptiveLimit(
+        floor=min(GATE_FLOOR, ceiling),
+        ceiling=ceiling,
+        prior_latency_s=PRIOR_LATENCY_S,
+        initial=INITIAL_GATE_LIMIT,
     )
 
 

@@ -259,6 +259,11 @@ class ScanAcceptance:
             self.charge_shed(time.thread_time() - cpu_at)
             raise
 
+    @property
+    def paced(self) -> bool:
+        """Whether new scans are paced by the loop's capacity (LOOP_PACING, and measured)."""
+        return self._pacer is not None
+
     def refused_early(self) -> LoopBusy | None:
         """Whether the pacer refuses a scan whose head has just been parsed, asked by the
         HTTP protocol before the request reaches the app (app/http/early_refusal.py); a

@@ -35,7 +35,7 @@ BURST_S = 0.1
 MAX_RETRY_AFTER_S = 60.0
 # Retry-After at the ceiling counts on scans ending at least this fast (a second).
 MIN_DRAIN_RATE = 1.0
-# Why an arrival was refused: the loop is over its target, or the loop is not (yet) but
+# Why an arrival was refused: it met a ceiling the loop set while it stayed saturated, or
 # more arrived at once than the queue holds at the rate.
 SATURATED = "saturated"
 WAVE = "wave"

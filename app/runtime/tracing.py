@@ -47,8 +47,6 @@ class SpanLike(Protocol):
     """What the code that makes spans uses of one: the SDK's `Span`, or `_NoSpan`."""
 
     def set_attribute(self, key: str, value: Any) -> None: ...
-    def add_event(self, name: str, attributes: Attributes | None = None) -> None: ...
-    def is_recording(self) -> bool: ...
 
 
 class _NoSpan:
@@ -56,12 +54,6 @@ class _NoSpan:
 
     def set_attribute(self, key: str, value: Any) -> None:
         pass
-
-    def add_event(self, name: str, attributes: Attributes | None = None) -> None:
-        pass
-
-    def is_recording(self) -> bool:
-        return False
 
 
 NO_SPAN = _NoSpan()
@@ -223,23 +215,15 @@ def traceparent() -> str | None:
     return carrier.get("traceparent")
 
 
-def trace_id() -> str | None:
-    """The current trace's id (32 hex digits), whether it is sampled or not."""
+def trace_id(*, sampled: bool = False) -> str | None:
+    """The current trace's id (32 hex digits); with `sampled`, only if its spans are recorded
+    (an exemplar points only at a trace the backend has)."""
     if _otel is None:
         return None
     context = _otel.current().get_span_context()
-    return _otel.format_trace_id(context.trace_id) if context.is_valid else None
-
-
-def sampled_trace_id() -> str | None:
-    """The current trace's id if its spans are recorded (an exemplar points only at a trace
-    the backend has)."""
-    if _otel is None:
+    if not context.is_valid or (sampled and not context.trace_flags.sampled):
         return None
-    context = _otel.current().get_span_context()
-    return (
-        _otel.format_trace_id(context.trace_id) if context.is_valid and context.trace_flags.sampled else None
-    )
+    return _otel.format_trace_id(context.trace_id)
 
 
 def start(metrics: Metrics, *, user_ids: bool = False) -> Callable[[], Awaitable[None]]:

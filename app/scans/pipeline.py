@@ -212,7 +212,7 @@ class ScanPipeline:
             elapsed = time.perf_counter() - started
             self._metrics.scans_in_flight.dec()
             # An exemplar: a slow scan's bucket links to its trace (OpenMetrics /metrics).
-            sampled = tracing.sampled_trace_id()
+            sampled = tracing.trace_id(sampled=True)
             exemplar = {"trace_id": sampled} if sampled is not None else None
             self._metrics.scan_duration.labels(outcome).observe(elapsed, exemplar)
             if spend.total_usd is not None:

@@ -63,6 +63,8 @@ class StageRunner:
         self._clock = clock
         # How long each stage took lately (completed ones): what its time limit stretches to.
         self._took = {stage.name: RecentPeak() for stage in stages}
+        # Each stage's span, named once: a scan's stages run on every scan, traced or not.
+        self._span_args = {s.name: (f"stage {s.name}", {"ecoscan.stage": s.name}) for s in stages}
 
     @property
     def calls_per_scan(self) -> int:
@@ -119,7 +121,7 @@ class StageRunner:
         began = time.perf_counter()
         outcome = "failed"
         try:
-            with tracing.span(f"stage {stage.name}", {"ecoscan.stage": stage.name}):
+            with tracing.span(*self._span_args[stage.name]):
                 async with self._clock.timeout_at(deadline):
                     result = await stage.run(ctx)
         except asyncio.CancelledError:

@@ -38,6 +38,10 @@ TOKEN_WAIT_S = 10.0
 RETRY_S = 5.0
 
 
+# Where a token goes (Entra ID and Google alike: `Bearer <token>`).
+TOKEN_HEADER = "Authorization"
+
+
 class CredentialUnavailable(Exception):
     """No usable credential: the token service refused, failed or did not answer in time."""
 
@@ -87,7 +91,7 @@ class StaticHeaders(Credential):
 
 
 class RefreshingToken(Credential):
-    """A token from `fetch`, sent as `<header>: <prefix><token>`, refreshed ahead of its
+    """A token from `fetch`, sent as `Authorization: Bearer <token>`, refreshed ahead of its
     end, one refresh at a time (see the module's doc)."""
 
     per_request = True
@@ -97,8 +101,6 @@ class RefreshingToken(Credential):
         name: str,
         fetch: Fetch,
         *,
-        header: str = "Authorization",
-        prefix: str = "Bearer ",
         refresh_ahead_s: float = REFRESH_AHEAD_S,
         min_left_s: float = MIN_LEFT_S,
         max_wait_s: float = TOKEN_WAIT_S,
@@ -108,8 +110,6 @@ class RefreshingToken(Credential):
     ) -> None:
         self.name = name
         self._fetch = fetch
-        self._header = header
-        self._prefix = prefix
         self._ahead_s = refresh_ahead_s
         self._min_left_s = min_left_s
         self.max_wait_s = max_wait_s
@@ -145,7 +145,7 @@ class RefreshingToken(Credential):
         # A 401 to a token already replaced (requests that carried it were still on their
         # way) says nothing of the one held: forgetting it would ask the library again,
         # whose cache hands it back, taken as no new token, and the deployment went out.
-        if sent.get(self._header) != self._headers.get(self._header):
+        if sent.get(TOKEN_HEADER) != self._headers.get(TOKEN_HEADER):
             return
         self._refresh_from = self._usable_until = 0.0
 
@@ -185,7 +185,7 @@ class RefreshingToken(Credential):
     def _take(self, token: Token, now: float) -> None:
         life = max(0.0, token.expires_at - now)
         self._token = token
-        self._headers = {self._header: self._prefix + token.value}
+        self._headers = {TOKEN_HEADER: "Bearer " + token.value}
         self._usable_until = token.expires_at - min(self._min_left_s, life / 4)
         due = token.expires_at - min(self._ahead_s, life / 2)
         if token.refresh_at is not None:

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 from app.runtime import tracing
 from app.runtime.metrics import Metrics
 from app.upstream.call import ChatCall, ChatResult, Usage
+from app.upstream.providers.gemini import VERTEX_AI
 from app.upstream.routes import Route
 
 T = TypeVar("T")
@@ -27,12 +28,12 @@ OTHER_PROVIDER = "_OTHER"
 
 
 # Gemini through Vertex AI (`auth = "vertex_ai"`) is its own provider in the conventions.
-VERTEX_AI = "gcp.vertex_ai"
+VERTEX_AI_PROVIDER = "gcp.vertex_ai"
 
 
 def provider_name(route: Route) -> str:
-    if route.provider.name == "gemini" and route.deployment.auth == "vertex_ai":
-        return VERTEX_AI
+    if route.provider.name == "gemini" and route.deployment.auth == VERTEX_AI:
+        return VERTEX_AI_PROVIDER
     return PROVIDER_NAMES.get(route.provider.name, OTHER_PROVIDER)
 
 
@@ -71,6 +72,8 @@ async def _in_span(attempt: Awaitable[T], route: Route, call: ChatCall) -> T:
 
 def waited(gate_s: float, budget_s: float) -> None:
     """The attempt's waits before it was sent, as events on its span."""
+    if not tracing.recording():
+        return
     tracing.event("gate_wait", {"ecoscan.wait_s": round(gate_s, 6)})
     tracing.event("budget_wait", {"ecoscan.wait_s": round(budget_s, 6)})
 
@@ -81,7 +84,7 @@ def used(metrics: Metrics, route: Route, usage: Usage, result: ChatResult) -> No
     where = _where(route)
     metrics.genai_token_usage.labels(*where, "input").observe(input_tokens)
     metrics.genai_token_usage.labels(*where, "output").observe(output_tokens)
-    if not tracing.enabled():
+    if not tracing.recording():
         return
     tracing.attributes(
         {

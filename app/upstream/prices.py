@@ -86,8 +86,7 @@ class ScanSpend:
 
     def __init__(self) -> None:
         self.usd = 0.0
-        self.calls = 0  # replies that reported usage
-        self.unpriced = 0  # ...of a model with no price
+        self.unpriced = 0  # replies of a model with no price
 
     @classmethod
     def start(cls) -> ScanSpend:
@@ -124,8 +123,6 @@ class Pricing:
     def charge(self, deployment: str, model: str, usage: Usage) -> None:
         """One reply's usage: priced into the metrics and the running scan's spend."""
         spend = ScanSpend.current.get()
-        if spend is not None:
-            spend.calls += 1
         price = self._prices.get((deployment, model))
         if price is None:
             self._metrics.upstream_unpriced.labels(deployment, model).inc()

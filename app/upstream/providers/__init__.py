@@ -1,7 +1,8 @@
 """The providers a deployment can be, by `provider` name: one module each in this package,
 found by listing it. A module registers its provider (`register`); adding a provider is
 adding its module (and its tests). `PROVIDERS` is the one list: app/upstream/deployments.py
-checks a deployment's `provider` against it, app/resources.py builds each route from it."""
+checks a deployment's `provider` against it, app/assembly/upstream.py builds each route
+from it."""
 
 from __future__ import annotations
 
